@@ -1,0 +1,154 @@
+"""The vLLM view of GPU memory: how many KV blocks fit, and how many sequences (chapter 1.4).
+
+At start-up vLLM loads the weights, runs one forward pass of ``max_num_batched_tokens``
+dummy tokens to measure peak activations, and then hands the rest of its share of the GPU,
+``gpu_memory_utilization * total``, to the KV cache, cut into blocks of ``block_size``
+tokens. Its log then reports "GPU KV cache size: N tokens" and "Maximum concurrency for
+``max_model_len`` tokens per request: X". This module predicts both numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.hardware.dtypes import default_kv_dtype, weight_format
+from labkit.hardware.gpus import GPU, get_gpu
+from labkit.hardware.memory import (DEFAULT_OVERHEAD_GIB, activation_bytes,
+                                    kv_cache_bytes_per_token, weight_bytes)
+from labkit.hardware.models import ModelSpec, get_model
+from labkit.units import GiB
+
+
+class DoesNotFitError(ValueError):
+    """The model, at these settings, leaves no room for the KV cache vLLM needs."""
+
+
+def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int]:
+    """vLLM's default ``(max_num_batched_tokens, max_num_seqs)`` for a GPU.
+
+    Mirrors ``EngineArgs.get_batch_defaults``: GPUs with at least 70 GiB other than the A100
+    get 8192 tokens and 1024 sequences for ``vllm serve`` (16384 tokens for the offline
+    ``LLM`` class); the rest get 2048 (8192 offline) and 256.
+    """
+    gpu = get_gpu(gpu)
+    if gpu.memory_gib >= 70 and "a100" not in gpu.name.lower():
+        return (16384 if offline else 8192), 1024
+    return (8192 if offline else 2048), 256
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """What vLLM would allocate on each GPU, in GiB and blocks."""
+
+    model: str
+    gpu: str
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    block_size: int
+    max_model_len: int
+    weight_dtype: str
+    kv_dtype: str
+    budget_gib: float
+    weights_gib: float
+    activations_gib: float
+    overhead_gib: float
+    block_bytes: int
+    num_gpu_blocks: int
+
+    @property
+    def kv_cache_gib(self) -> float:
+        """Memory the blocks take (the budget's remainder, rounded down to whole blocks)."""
+        return self.num_gpu_blocks * self.block_bytes / GiB
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens"."""
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's "Maximum concurrency for max_model_len tokens per request"."""
+        return self.num_gpu_blocks / self.blocks_per_sequence
+
+    @property
+    def headroom(self) -> float:
+        """Share of the budget left for the KV cache; low means tight."""
+        return self.kv_cache_gib / self.budget_gib
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model} on {self.tensor_parallel_size} x {self.gpu} "
+            f"(gpu_memory_utilization={self.gpu_memory_utilization}, weights {self.weight_dtype}, "
+            f"KV {self.kv_dtype}), per GPU:\n"
+            f"  budget      {self.budget_gib:8.2f} GiB\n"
+            f"  weights     {self.weights_gib:8.2f} GiB\n"
+            f"  activations {self.activations_gib:8.2f} GiB\n"
+            f"  overhead    {self.overhead_gib:8.2f} GiB\n"
+            f"  KV cache    {self.kv_cache_gib:8.2f} GiB = {self.num_gpu_blocks:,} blocks of "
+            f"{self.block_size} tokens = {self.kv_cache_tokens:,} tokens\n"
+            f"  max concurrency at {self.max_model_len:,} tokens: {self.max_concurrency:.2f}x"
+        )
+
+
+def plan_kv_cache(model: ModelSpec | str, gpu: GPU | str, tensor_parallel_size: int = 1,
+                  gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                  max_model_len: int | None = None, weight_dtype: str = "bf16",
+                  kv_dtype: str | None = None, max_num_batched_tokens: int | None = None,
+                  max_num_seqs: int | None = None,
+                  overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> KVCachePlan:
+    """Predict vLLM's KV-cache allocation for ``model`` on ``tensor_parallel_size`` GPUs.
+
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``; the batch limits
+    default to :func:`vllm_batch_defaults`. Raises :class:`DoesNotFitError` (a ``ValueError``)
+    where vLLM would refuse to start: no memory left for blocks, or not enough blocks for one
+    sequence of ``max_model_len`` tokens.
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    max_model_len = max_model_len or model.max_position_embeddings
+    if not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+    default_tokens, default_seqs = vllm_batch_defaults(gpu)
+    max_num_batched_tokens = max_num_batched_tokens or default_tokens
+    max_num_seqs = max_num_seqs or default_seqs
+    fmt = weight_format(weight_dtype)
+    kv_dtype = kv_dtype or default_kv_dtype(fmt)
+    tp = tensor_parallel_size
+
+    budget = gpu.memory_bytes * gpu_memory_utilization
+    weights = weight_bytes(model, fmt, tp)
+    activations = activation_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
+    overhead = overhead_gib * GiB
+    block_bytes = block_size * kv_cache_bytes_per_token(model, kv_dtype, tp)
+    free = budget - weights - activations - overhead
+    plan = KVCachePlan(
+        model=model.name, gpu=gpu.name, tensor_parallel_size=tp,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+        max_model_len=max_model_len, weight_dtype=fmt.name, kv_dtype=kv_dtype,
+        budget_gib=budget / GiB, weights_gib=weights / GiB, activations_gib=activations / GiB,
+        overhead_gib=overhead_gib, block_bytes=block_bytes,
+        num_gpu_blocks=max(0, int(free // block_bytes)),
+    )
+    if free <= 0:
+        raise DoesNotFitError(
+            f"No available memory for the cache blocks: {model.name} needs "
+            f"{(weights + activations + overhead) / GiB:.1f} GiB per GPU before any KV cache, "
+            f"but {gpu_memory_utilization} x {gpu.name} gives {budget / GiB:.1f} GiB. "
+            f"Use more GPUs (tensor_parallel_size), a smaller weight_dtype or a larger "
+            f"gpu_memory_utilization."
+        )
+    if plan.kv_cache_tokens < max_model_len:
+        raise DoesNotFitError(
+            f"max_model_len={max_model_len} needs {plan.blocks_per_sequence} blocks, but only "
+            f"{plan.num_gpu_blocks} fit ({plan.kv_cache_tokens} tokens). Lower max_model_len "
+            f"or free memory (more GPUs, fp8 KV cache, quantized weights)."
+        )
+    return plan

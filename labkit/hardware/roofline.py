@@ -1,0 +1,165 @@
+"""Roofline bounds for prefill and decode (chapter 1.5).
+
+A step of the engine can go no faster than its FLOPs at the GPU's peak tensor throughput, nor
+faster than its bytes at peak memory bandwidth: ``time >= max(FLOPs / peak, bytes / BW)``.
+Decode reads every weight to produce one token per sequence, so at small batch it is bound by
+bandwidth; prefill multiplies each weight by thousands of tokens and is bound by compute.
+These are lower bounds on time (upper bounds on tokens/s): real engines reach 50-80 % of them.
+Communication between tensor-parallel ranks is left out here; chapter 3 adds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.hardware.dtypes import weight_format
+from labkit.hardware.gpus import GPU, get_gpu
+from labkit.hardware.memory import check_tensor_parallel, kv_cache_bytes_per_token
+from labkit.hardware.models import ModelSpec, get_model
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """Lower bound on one engine step's time, per GPU (FLOPs and bytes are per GPU too)."""
+
+    flops: float
+    bytes_moved: float
+    compute_s: float
+    memory_s: float
+    tokens: int
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        """``"compute"`` or ``"memory"``: which roof the step sits under."""
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes_moved
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Upper bound on tokens produced (decode) or processed (prefill) per second."""
+        return self.tokens / self.time_s
+
+
+def _expected_experts_touched(model: ModelSpec, num_tokens: int) -> float:
+    """Experts per layer at least one of ``num_tokens`` tokens is routed to (uniform routing)."""
+    if not model.is_moe:
+        return 1.0
+    miss = (1 - model.experts_per_token / model.num_experts) ** num_tokens
+    return model.num_experts * (1 - miss)
+
+
+def _weight_traffic(model: ModelSpec, weight_dtype: str, num_tokens: int) -> float:
+    """Bytes of weights one forward pass over ``num_tokens`` tokens reads (whole model).
+
+    Every linear layer once, only the experts some token was routed to, the LM head once,
+    and of the embedding table only the rows of the tokens looked up.
+    """
+    fmt = weight_format(weight_dtype)
+    c = model.param_counts()
+    linear_bytes = fmt.bits_per_weight / 8 if fmt.quantized else fmt.bits / 8
+    other_bytes = 2 if fmt.quantized else fmt.bits / 8
+    experts_read = c.mlp / model.num_experts * _expected_experts_touched(model, num_tokens)
+    linear = (c.attention + c.router + experts_read) * linear_bytes
+    lm_head = (c.lm_head or c.embedding) * other_bytes
+    embedding_rows = 0 if model.tie_word_embeddings else num_tokens * model.hidden_size * other_bytes
+    return linear + lm_head + embedding_rows + c.norms * other_bytes
+
+
+def _matmul_flops_per_token(model: ModelSpec) -> float:
+    """2 FLOPs per multiply-add over the active linear weights and the LM head."""
+    c = model.param_counts()
+    return 2 * (c.attention + c.router + c.active_mlp + (c.lm_head or c.embedding))
+
+
+def _attention_flops(model: ModelSpec, query_tokens: int, context_len: int) -> float:
+    """QK^T and AV for ``query_tokens`` new tokens each attending to ``context_len`` tokens."""
+    return 4 * model.num_layers * model.q_size * query_tokens * context_len
+
+
+def _step(model: ModelSpec, gpu: GPU, weight_dtype: str, flops: float, bytes_moved: float,
+          tokens: int, tp: int) -> StepBound:
+    peak = gpu.peak_ops_s(_compute_dtype(weight_dtype, gpu))
+    flops, bytes_moved = flops / tp, bytes_moved / tp
+    return StepBound(flops=flops, bytes_moved=bytes_moved, compute_s=flops / peak,
+                     memory_s=bytes_moved / gpu.mem_bandwidth_bytes_s, tokens=tokens)
+
+
+def _compute_dtype(weight_dtype: str, gpu: GPU) -> str:
+    compute = weight_format(weight_dtype).compute_dtype
+    if compute == "fp32":
+        raise ValueError("roofline bounds use tensor-core peaks; weight_dtype fp32 has none here")
+    return compute
+
+
+def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context_len: int,
+                weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                tensor_parallel_size: int = 1) -> StepBound:
+    """Bound on one decode step: ``batch_size`` sequences, each with ``context_len`` tokens of KV.
+
+    Bytes: the weights the step touches plus every sequence's KV cache read once.
+    FLOPs: ``2 x`` active parameters per sequence plus attention over the context.
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    _check_positive(batch_size=batch_size, context_len=context_len)
+    check_tensor_parallel(model, tensor_parallel_size)
+    kv = kv_cache_bytes_per_token(model, kv_dtype) * batch_size * context_len
+    flops = (_matmul_flops_per_token(model) * batch_size
+             + _attention_flops(model, batch_size, context_len))
+    return _step(model, gpu, weight_dtype, flops, _weight_traffic(model, weight_dtype, batch_size) + kv,
+                 batch_size, tensor_parallel_size)
+
+
+def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_size: int = 1,
+                 weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                 tensor_parallel_size: int = 1) -> StepBound:
+    """Bound on prefilling ``batch_size`` prompts of ``prompt_len`` tokens in one step.
+
+    Causal attention: token ``i`` attends to ``i`` tokens, ``P(P+1)/2`` pairs per prompt.
+    Bytes: the weights once plus the KV cache written for every prompt token.
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    _check_positive(batch_size=batch_size, prompt_len=prompt_len)
+    check_tensor_parallel(model, tensor_parallel_size)
+    tokens = batch_size * prompt_len
+    pairs = batch_size * prompt_len * (prompt_len + 1) / 2
+    flops = _matmul_flops_per_token(model) * tokens + _attention_flops(model, 1, 1) * pairs
+    kv = kv_cache_bytes_per_token(model, kv_dtype) * tokens
+    return _step(model, gpu, weight_dtype, flops, _weight_traffic(model, weight_dtype, tokens) + kv,
+                 tokens, tensor_parallel_size)
+
+
+def decode_compute_bound_batch(model: ModelSpec | str, gpu: GPU | str, context_len: int,
+                               weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                               max_batch: int = 1 << 20) -> int | None:
+    """Smallest decode batch at which the step turns compute-bound, or None below ``max_batch``.
+
+    With a long context each extra sequence brings its own KV bytes, so the intensity levels
+    off below the ridge point and decode never becomes compute-bound: then this returns None.
+    """
+    def compute_bound(b: int) -> bool:
+        return decode_step(model, gpu, b, context_len, weight_dtype, kv_dtype).bound == "compute"
+
+    if not compute_bound(max_batch):
+        return None
+    lo, hi = 1, max_batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if compute_bound(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
