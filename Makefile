@@ -1,6 +1,6 @@
 # make lab   - install what the labs need into .venv and open JupyterLab on labs/
 # make book  - install the book tools, execute every page and build book/_build/html strictly
-# make test  - install everything, then run labkit's tests, nbval on every lab and the book build
+# make test  - install everything, lint, then run labkit's tests, nbval on every lab and the book build
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -26,6 +26,7 @@ book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
 
 test: $(VENV)/.installed-lab+book+test+ref
+	$(BIN)/ruff check labkit tests
 	$(BIN)/python -m pytest
 
 clean:

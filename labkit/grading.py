@@ -54,7 +54,8 @@ def check_number(answer: object, expected: float, *, what: str, unit: str = "",
         return Feedback(True, f"Correct: {what} = {answer:,.6g} {unit}".rstrip() + ".")
     for description, value in (mistakes or {}).items():
         if math.isclose(answer, value, rel_tol=rel_tol):
-            return Feedback(False, f"Not quite: {answer:,.6g} is what you get if you {description}.")
+            return Feedback(False,
+                            f"Not quite: {answer:,.6g} is what you get if you {description}.")
     if expected:
         ratio = answer / expected
         for description, factor in _UNIT_SLIPS.items():

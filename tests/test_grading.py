@@ -3,9 +3,13 @@
 import pytest
 
 from labkit.grading import check_number
-from labkit.hardware.exercises import (check_decode_tokens_per_s, check_kv_bytes_per_token,
-                                       check_max_concurrency, check_weights_gib)
 from labkit.hardware import decode_step, plan_kv_cache
+from labkit.hardware.exercises import (
+    check_decode_tokens_per_s,
+    check_kv_bytes_per_token,
+    check_max_concurrency,
+    check_weights_gib,
+)
 
 
 def test_check_number_basics():

@@ -1,10 +1,16 @@
 """vLLM's view of memory: KV blocks and maximum concurrency."""
 
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
-from labkit.hardware import (DoesNotFitError, ModelSpec, plan_kv_cache, preset_names,
-                             vllm_batch_defaults)
+from labkit.hardware import (
+    DoesNotFitError,
+    ModelSpec,
+    plan_kv_cache,
+    preset_names,
+    vllm_batch_defaults,
+)
 from labkit.units import GiB
 
 
@@ -57,9 +63,11 @@ def test_bad_settings(kwargs, match):
         plan_kv_cache("Llama-3-8B", "H100 SXM", **kwargs)
 
 
-@given(name=st.sampled_from(preset_names()), gpu=st.sampled_from(["H200 SXM", "MI300X", "H100 SXM"]),
+@given(name=st.sampled_from(preset_names()),
+       gpu=st.sampled_from(["H200 SXM", "MI300X", "H100 SXM"]),
        tp=st.sampled_from([1, 2, 4, 8]), util=st.floats(0.5, 0.99),
-       block=st.sampled_from([1, 8, 16, 32, 128]), weights=st.sampled_from(["bf16", "fp8", "int4-awq"]))
+       block=st.sampled_from([1, 8, 16, 32, 128]),
+       weights=st.sampled_from(["bf16", "fp8", "int4-awq"]))
 def test_blocks_fill_the_budget_without_overflowing(name, gpu, tp, util, block, weights):
     assume(ModelSpec.preset(name).num_attention_heads % tp == 0)
     try:

@@ -7,6 +7,7 @@ import pytest
 from labkit.hardware import ModelSpec, preset_names, preset_record
 
 PRESETS = preset_names()
+LLAMA_8B = preset_record("Llama-3-8B")["config"]
 
 
 def test_course_presets_are_all_there():
@@ -25,7 +26,8 @@ def test_param_count_within_1pct_of_published(name):
 def test_mixtral_active_params_match_mistral():
     record = preset_record("Mixtral-8x7B")
     spec = ModelSpec.preset("Mixtral-8x7B")
-    assert spec.num_active_params == pytest.approx(record["published_active_params_b"] * 1e9, rel=0.01)
+    published = record["published_active_params_b"] * 1e9
+    assert spec.num_active_params == pytest.approx(published, rel=0.01)
 
 
 def test_llama_3_8b_by_hand():
@@ -78,9 +80,9 @@ def test_head_dim_defaults_to_hidden_over_heads_and_kv_heads_to_heads():
 
 @pytest.mark.parametrize("bad, match", [
     ({"hidden_size": 512}, "missing required keys"),
-    ({**preset_record("Llama-3-8B")["config"], "kv_lora_rank": 512}, "multi-head latent"),
-    ({**preset_record("Llama-3-8B")["config"], "num_key_value_heads": 5}, "multiple of num_kv_heads"),
-    ({**preset_record("Llama-3-8B")["config"], "num_hidden_layers": -1}, "num_layers must be a positive"),
+    ({**LLAMA_8B, "kv_lora_rank": 512}, "multi-head latent"),
+    ({**LLAMA_8B, "num_key_value_heads": 5}, "multiple of num_kv_heads"),
+    ({**LLAMA_8B, "num_hidden_layers": -1}, "num_layers must be a positive"),
 ])
 def test_bad_configs_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -36,3 +36,12 @@ def test_roofline_places_steps():
 def test_decode_throughput_lines_per_gpu():
     ax = plot_decode_throughput("Llama-3-8B", ["H100 SXM", "L4"], 1024, batch_sizes=[1, 2, 4])
     assert len(ax.lines) == 2 and list(ax.lines[0].get_xdata()) == [1, 2, 4]
+
+
+def test_decode_curves_stop_where_the_kv_cache_is_full():
+    # Llama-3-8B on an L4 holds about 43k KV tokens: batch 32 of 1024 fits, 64 does not.
+    ax = plot_decode_throughput("Llama-3-8B", ["L4", "H100 SXM"], 1024)
+    l4, h100 = ax.lines
+    assert max(l4.get_xdata()) == 32 and max(h100.get_xdata()) == 256
+    ax = plot_decode_throughput("Llama-3-70B", ["L4"], 1024)
+    assert not ax.lines and "does not fit: L4" in ax.get_title()

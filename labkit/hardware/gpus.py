@@ -73,7 +73,7 @@ class GPU:
         return peak * 1e12
 
     def ridge_point(self, compute_dtype: str = "bf16") -> float:
-        """Arithmetic intensity (FLOP/byte) where the roofline turns from memory- to compute-bound."""
+        """Arithmetic intensity (FLOP/byte) where the roofline turns compute-bound (ch. 1.4)."""
         return self.peak_ops_s(compute_dtype) / self.mem_bandwidth_bytes_s
 
 
@@ -104,7 +104,7 @@ def list_gpus() -> list[GPU]:
 
 
 def get_gpu(name: str | GPU) -> GPU:
-    """Look a GPU up by its table name (case and spaces ignored), e.g. ``"H100 SXM"``."""
+    """Look a GPU up by its table name, case and spaces ignored: ``"H100 SXM"`` (chapter 1.1)."""
     if isinstance(name, GPU):
         return name
     key = _normalise(name)
@@ -119,22 +119,24 @@ def _normalise(name: str) -> str:
 
 
 def gpu_table_markdown(gpus: list[GPU] | None = None) -> str:
-    """The comparison table of chapter 1.1 as Markdown, generated from the data file."""
+    """The comparison table of chapter 1.1 as Markdown, generated from the data file.
+
+    Throughput columns are dense TFLOP/s (INT8: TOP/s); the last column is the BF16 ridge point.
+    """
     gpus = gpus if gpus is not None else list_gpus()
 
     def num(x: float | None) -> str:
         return "—" if x is None else f"{x:,.0f}"
 
     lines = [
-        "| GPU | memory (GiB) | type | bandwidth (GB/s) | BF16 TFLOPS | FP8 TFLOPS | INT8 TOPS "
-        "| interconnect (GB/s) | TDP (W) | BF16 FLOP/byte |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|",
+        "| GPU | memory | GB/s | BF16 | FP8 | INT8 | link (GB/s) | TDP (W) | FLOP/byte |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for g in gpus:
         lines.append(
-            f"| {g.name} | {g.memory_gib:g} | {g.memory_type} | {g.mem_bandwidth_gb_s:,.0f} "
+            f"| {g.name} | {g.memory_gib:g} GiB {g.memory_type} | {g.mem_bandwidth_gb_s:,.0f} "
             f"| {num(g.bf16_tflops)} | {num(g.fp8_tflops)} | {num(g.int8_tops)} "
-            f"| {g.interconnect} {g.interconnect_gb_s:,.0f} | {g.tdp_w:.0f} "
+            f"| {g.interconnect} ({g.interconnect_gb_s:,.0f}) | {g.tdp_w:.0f} "
             f"| {g.ridge_point('bf16'):.0f} |"
         )
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The vLLM view of GPU memory: how many KV blocks fit, and how many sequences (chapter 1.4).
+"""The vLLM view of GPU memory: how many KV blocks fit, and how many sequences (chapter 1.3).
 
 At start-up vLLM loads the weights, runs one forward pass of ``max_num_batched_tokens``
 dummy tokens to measure peak activations, and then hands the rest of its share of the GPU,
@@ -13,8 +13,12 @@ from dataclasses import dataclass
 
 from labkit.hardware.dtypes import default_kv_dtype, weight_format
 from labkit.hardware.gpus import GPU, get_gpu
-from labkit.hardware.memory import (DEFAULT_OVERHEAD_GIB, activation_bytes,
-                                    kv_cache_bytes_per_token, weight_bytes)
+from labkit.hardware.memory import (
+    DEFAULT_OVERHEAD_GIB,
+    activation_bytes,
+    kv_cache_bytes_per_token,
+    weight_bytes,
+)
 from labkit.hardware.models import ModelSpec, get_model
 from labkit.units import GiB
 
@@ -24,7 +28,7 @@ class DoesNotFitError(ValueError):
 
 
 def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int]:
-    """vLLM's default ``(max_num_batched_tokens, max_num_seqs)`` for a GPU.
+    """vLLM's default ``(max_num_batched_tokens, max_num_seqs)`` for a GPU (chapter 1.3).
 
     Mirrors ``EngineArgs.get_batch_defaults``: GPUs with at least 70 GiB other than the A100
     get 8192 tokens and 1024 sequences for ``vllm serve`` (16384 tokens for the offline
@@ -38,7 +42,7 @@ def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int
 
 @dataclass(frozen=True)
 class KVCachePlan:
-    """What vLLM would allocate on each GPU, in GiB and blocks."""
+    """What vLLM would allocate on each GPU, in GiB and blocks (chapter 1.3)."""
 
     model: str
     gpu: str
@@ -81,9 +85,9 @@ class KVCachePlan:
 
     def __str__(self) -> str:
         return (
-            f"{self.model} on {self.tensor_parallel_size} x {self.gpu} "
-            f"(gpu_memory_utilization={self.gpu_memory_utilization}, weights {self.weight_dtype}, "
-            f"KV {self.kv_dtype}), per GPU:\n"
+            f"{self.model} on {self.tensor_parallel_size} x {self.gpu}, per GPU\n"
+            f"  (weights {self.weight_dtype}, KV cache {self.kv_dtype}, "
+            f"gpu_memory_utilization={self.gpu_memory_utilization})\n"
             f"  budget      {self.budget_gib:8.2f} GiB\n"
             f"  weights     {self.weights_gib:8.2f} GiB\n"
             f"  activations {self.activations_gib:8.2f} GiB\n"
@@ -100,7 +104,7 @@ def plan_kv_cache(model: ModelSpec | str, gpu: GPU | str, tensor_parallel_size: 
                   kv_dtype: str | None = None, max_num_batched_tokens: int | None = None,
                   max_num_seqs: int | None = None,
                   overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> KVCachePlan:
-    """Predict vLLM's KV-cache allocation for ``model`` on ``tensor_parallel_size`` GPUs.
+    """Predict vLLM's KV-cache allocation on ``tensor_parallel_size`` GPUs (chapter 1.3).
 
     ``max_model_len`` defaults to the model's ``max_position_embeddings``; the batch limits
     default to :func:`vllm_batch_defaults`. Raises :class:`DoesNotFitError` (a ``ValueError``)

@@ -1,4 +1,4 @@
-"""How much GPU memory a model needs to serve: weights, KV cache, activations (chapter 1.3).
+"""How much GPU memory a model needs to serve: weights, KV cache, activations (chapter 1.2).
 
 All functions count bytes exactly from the model's shape and report GiB (2**30 bytes), the
 unit ``nvidia-smi`` and vLLM's logs use. Sizes are per GPU when ``tensor_parallel_size > 1``:
@@ -22,7 +22,7 @@ DEFAULT_OVERHEAD_GIB = 1.0
 
 
 def check_tensor_parallel(model: ModelSpec, tensor_parallel_size: int) -> None:
-    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs."""
+    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs (ch. 1.3)."""
     tp = tensor_parallel_size
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -39,14 +39,14 @@ def check_tensor_parallel(model: ModelSpec, tensor_parallel_size: int) -> None:
 
 
 def kv_heads_per_gpu(model: ModelSpec, tensor_parallel_size: int = 1) -> int:
-    """KV heads each rank stores: split when possible, one replicated head otherwise."""
+    """KV heads each rank stores: split when possible, one replicated head otherwise (ch. 1.3)."""
     check_tensor_parallel(model, tensor_parallel_size)
     return max(1, model.num_kv_heads // tensor_parallel_size)
 
 
 def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
                              tensor_parallel_size: int = 1) -> int:
-    """Bytes of KV cache one token occupies on one GPU, over all layers.
+    """Bytes of KV cache one token occupies on one GPU, over all layers (chapter 1.2).
 
     ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)``: the KV heads,
     not the attention heads, which is the whole saving of grouped-query attention.
@@ -58,7 +58,7 @@ def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
 
 def weight_bytes(model: ModelSpec | str, weight_dtype: str | WeightFormat = "bf16",
                  tensor_parallel_size: int = 1) -> float:
-    """Bytes of weights on one GPU.
+    """Bytes of weights on one GPU (chapter 1.2).
 
     Quantized formats shrink only the decoder's linear layers; embedding, LM head and norms
     stay 16-bit. Norms are replicated on every rank, everything else is split evenly.
@@ -79,7 +79,7 @@ def weight_bytes(model: ModelSpec | str, weight_dtype: str | WeightFormat = "bf1
 
 def activation_bytes(model: ModelSpec | str, num_tokens: int, num_seqs: int,
                      tensor_parallel_size: int = 1, act_dtype_bytes: int = 2) -> float:
-    """Peak activation working set of one forward pass over ``num_tokens`` tokens, per GPU.
+    """Peak activation working set of a forward pass over ``num_tokens`` tokens (chapter 1.2).
 
     An estimate of what vLLM's start-up profiling run measures: the largest layer's live
     tensors (residual and normed input ``2*H``, the q/k/v projection, the MLP's gate+up
@@ -100,7 +100,7 @@ def activation_bytes(model: ModelSpec | str, num_tokens: int, num_seqs: int,
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Memory needed per GPU, in GiB (chapter 1.3)."""
+    """Memory needed per GPU, in GiB (chapter 1.2)."""
 
     model: str
     weight_dtype: str
@@ -128,7 +128,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         head = (f"{self.model}, weights {self.weight_dtype}, KV {self.kv_dtype}, "
-                f"{self.batch_size} x {self.seq_len} tokens, TP={self.tensor_parallel_size} (per GPU)")
+                f"{self.batch_size} x {self.seq_len} tokens, "
+                f"TP={self.tensor_parallel_size} (per GPU)")
         return "\n".join([head] + [f"  {k:<17}{v:9.2f} GiB" for k, v in self.rows()])
 
 
@@ -136,7 +137,7 @@ def estimate_vram(model: ModelSpec | str, weight_dtype: str = "bf16", kv_dtype: 
                   seq_len: int = 4096, batch_size: int = 1, tensor_parallel_size: int = 1,
                   max_num_batched_tokens: int | None = None,
                   overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> MemoryEstimate:
-    """Memory per GPU to hold ``batch_size`` sequences of ``seq_len`` tokens (chapter 1.3).
+    """Memory per GPU to hold ``batch_size`` sequences of ``seq_len`` tokens (chapter 1.2).
 
     ``kv_dtype=None`` means vLLM's ``"auto"``: the activation dtype (BF16), whatever the
     weights are stored in. ``max_num_batched_tokens`` caps the tokens of one forward pass,

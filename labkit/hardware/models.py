@@ -1,4 +1,4 @@
-"""Model shapes and parameter counts, from a Hugging Face ``config.json`` (chapter 1.3).
+"""Model shapes and parameter counts, from a Hugging Face ``config.json`` (chapter 1.2).
 
 Counting parameters from the shape, rather than trusting the "8B" in a model's name, is what
 lets the memory math separate weights that quantization shrinks (the linear layers) from those
@@ -28,7 +28,7 @@ _UNSUPPORTED_KEYS = {
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters by role. ``linear`` is what weight quantization applies to."""
+    """Parameters by role (chapter 1.2). ``linear`` is what weight quantization applies to."""
 
     embedding: int
     lm_head: int
@@ -60,7 +60,7 @@ class ParamCount:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a decoder-only transformer (Llama, Qwen2, Mixtral families).
+    """The shape of a decoder-only transformer: Llama, Qwen2, Mixtral families (chapter 1.2).
 
     ``num_experts == 1`` means a dense MLP. ``qkv_bias`` is True for Qwen2, which adds
     biases to the q, k and v projections; ``o_bias`` for Llama configs with ``attention_bias``.
@@ -144,7 +144,8 @@ class ModelSpec:
         return self.param_counts().active
 
     @classmethod
-    def from_hf_config(cls, config: str | Path | Mapping[str, Any], name: str | None = None) -> "ModelSpec":
+    def from_hf_config(cls, config: str | Path | Mapping[str, Any],
+                       name: str | None = None) -> ModelSpec:
         """Build a spec from a Hugging Face ``config.json``: a file, a model directory or a dict."""
         if isinstance(config, (str, Path)):
             path = Path(config)
@@ -188,7 +189,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "ModelSpec":
+    def preset(cls, name: str) -> ModelSpec:
         """One of the course's preset models, e.g. ``ModelSpec.preset("Llama-3-70B")``."""
         record = preset_record(name)
         return cls.from_hf_config(record["config"], name=record["name"])

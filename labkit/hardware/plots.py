@@ -1,4 +1,4 @@
-"""Plots for chapter 1: memory breakdowns, the roofline, decode throughput vs batch."""
+"""Plots for chapter 1: memory breakdowns (1.2), the roofline and decode throughput (1.4)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from labkit.hardware.gpus import GPU, get_gpu
+from labkit.hardware.kv_budget import DoesNotFitError, plan_kv_cache
 from labkit.hardware.memory import MemoryEstimate
 from labkit.hardware.models import ModelSpec
 from labkit.hardware.roofline import StepBound, decode_step
@@ -57,16 +58,31 @@ def plot_roofline(gpu: GPU | str, steps: dict[str, StepBound] | None = None,
 
 def plot_decode_throughput(model: ModelSpec | str, gpus: list[GPU | str], context_len: int,
                            batch_sizes=None, weight_dtype: str = "bf16", ax=None):
-    """Decode tokens/s bound vs batch size for several GPUs: where batching stops paying."""
+    """Decode tokens/s bound vs batch size for several GPUs: where batching stops paying.
+
+    Each curve ends at the largest batch whose KV cache fits the GPU under vLLM's defaults
+    (:func:`~labkit.hardware.kv_budget.plan_kv_cache`); a GPU the model does not fit is left out.
+    """
     ax = ax or plt.subplots(figsize=(7, 4))[1]
     batch_sizes = batch_sizes if batch_sizes is not None else [2**i for i in range(11)]
+    left_out = []
     for gpu in gpus:
         gpu = get_gpu(gpu)
+        try:
+            plan = plan_kv_cache(model, gpu, max_model_len=context_len, weight_dtype=weight_dtype)
+        except DoesNotFitError:
+            left_out.append(gpu.name)
+            continue
+        fitting = [b for b in batch_sizes if b * context_len <= plan.kv_cache_tokens]
         tok_s = [decode_step(model, gpu, b, context_len, weight_dtype).tokens_per_s
-                 for b in batch_sizes]
-        ax.loglog(batch_sizes, tok_s, marker="o", label=gpu.name)
+                 for b in fitting]
+        ax.loglog(fitting, tok_s, marker="o", label=gpu.name)
     ax.set_xlabel("decode batch size (sequences)")
     ax.set_ylabel("tokens/s upper bound")
-    ax.set_title(f"context {context_len:,} tokens, {weight_dtype} weights", fontsize="medium")
-    ax.legend(fontsize="small")
+    title = f"context {context_len:,} tokens, {weight_dtype} weights"
+    if left_out:
+        title += f"\n(does not fit: {', '.join(left_out)})"
+    ax.set_title(title, fontsize="medium")
+    if ax.lines:
+        ax.legend(fontsize="small")
     return ax

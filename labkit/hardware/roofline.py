@@ -1,4 +1,4 @@
-"""Roofline bounds for prefill and decode (chapter 1.5).
+"""Roofline bounds for prefill and decode (chapter 1.4).
 
 A step of the engine can go no faster than its FLOPs at the GPU's peak tensor throughput, nor
 faster than its bytes at peak memory bandwidth: ``time >= max(FLOPs / peak, bytes / BW)``.
@@ -20,7 +20,7 @@ from labkit.hardware.models import ModelSpec, get_model
 
 @dataclass(frozen=True)
 class StepBound:
-    """Lower bound on one engine step's time, per GPU (FLOPs and bytes are per GPU too)."""
+    """Lower bound on one engine step's time, per GPU; FLOPs and bytes per GPU too (ch. 1.4)."""
 
     flops: float
     bytes_moved: float
@@ -69,7 +69,8 @@ def _weight_traffic(model: ModelSpec, weight_dtype: str, num_tokens: int) -> flo
     experts_read = c.mlp / model.num_experts * _expected_experts_touched(model, num_tokens)
     linear = (c.attention + c.router + experts_read) * linear_bytes
     lm_head = (c.lm_head or c.embedding) * other_bytes
-    embedding_rows = 0 if model.tie_word_embeddings else num_tokens * model.hidden_size * other_bytes
+    embedding_rows = 0 if model.tie_word_embeddings else num_tokens * model.hidden_size
+    embedding_rows *= other_bytes
     return linear + lm_head + embedding_rows + c.norms * other_bytes
 
 
@@ -84,15 +85,15 @@ def _attention_flops(model: ModelSpec, query_tokens: int, context_len: int) -> f
     return 4 * model.num_layers * model.q_size * query_tokens * context_len
 
 
-def _step(model: ModelSpec, gpu: GPU, weight_dtype: str, flops: float, bytes_moved: float,
-          tokens: int, tp: int) -> StepBound:
-    peak = gpu.peak_ops_s(_compute_dtype(weight_dtype, gpu))
+def _step(gpu: GPU, weight_dtype: str, flops: float, bytes_moved: float, tokens: int,
+          tp: int) -> StepBound:
+    peak = gpu.peak_ops_s(_compute_dtype(weight_dtype))
     flops, bytes_moved = flops / tp, bytes_moved / tp
     return StepBound(flops=flops, bytes_moved=bytes_moved, compute_s=flops / peak,
                      memory_s=bytes_moved / gpu.mem_bandwidth_bytes_s, tokens=tokens)
 
 
-def _compute_dtype(weight_dtype: str, gpu: GPU) -> str:
+def _compute_dtype(weight_dtype: str) -> str:
     compute = weight_format(weight_dtype).compute_dtype
     if compute == "fp32":
         raise ValueError("roofline bounds use tensor-core peaks; weight_dtype fp32 has none here")
@@ -102,7 +103,7 @@ def _compute_dtype(weight_dtype: str, gpu: GPU) -> str:
 def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context_len: int,
                 weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                 tensor_parallel_size: int = 1) -> StepBound:
-    """Bound on one decode step: ``batch_size`` sequences, each with ``context_len`` tokens of KV.
+    """Bound on one decode step of ``batch_size`` sequences with ``context_len`` tokens (ch. 1.4).
 
     Bytes: the weights the step touches plus every sequence's KV cache read once.
     FLOPs: ``2 x`` active parameters per sequence plus attention over the context.
@@ -113,14 +114,14 @@ def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context
     kv = kv_cache_bytes_per_token(model, kv_dtype) * batch_size * context_len
     flops = (_matmul_flops_per_token(model) * batch_size
              + _attention_flops(model, batch_size, context_len))
-    return _step(model, gpu, weight_dtype, flops, _weight_traffic(model, weight_dtype, batch_size) + kv,
-                 batch_size, tensor_parallel_size)
+    weights = _weight_traffic(model, weight_dtype, batch_size)
+    return _step(gpu, weight_dtype, flops, weights + kv, batch_size, tensor_parallel_size)
 
 
 def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_size: int = 1,
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  tensor_parallel_size: int = 1) -> StepBound:
-    """Bound on prefilling ``batch_size`` prompts of ``prompt_len`` tokens in one step.
+    """Bound on prefilling ``batch_size`` prompts of ``prompt_len`` tokens at once (ch. 1.4).
 
     Causal attention: token ``i`` attends to ``i`` tokens, ``P(P+1)/2`` pairs per prompt.
     Bytes: the weights once plus the KV cache written for every prompt token.
@@ -132,14 +133,14 @@ def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_
     pairs = batch_size * prompt_len * (prompt_len + 1) / 2
     flops = _matmul_flops_per_token(model) * tokens + _attention_flops(model, 1, 1) * pairs
     kv = kv_cache_bytes_per_token(model, kv_dtype) * tokens
-    return _step(model, gpu, weight_dtype, flops, _weight_traffic(model, weight_dtype, tokens) + kv,
-                 tokens, tensor_parallel_size)
+    weights = _weight_traffic(model, weight_dtype, tokens)
+    return _step(gpu, weight_dtype, flops, weights + kv, tokens, tensor_parallel_size)
 
 
 def decode_compute_bound_batch(model: ModelSpec | str, gpu: GPU | str, context_len: int,
                                weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                                max_batch: int = 1 << 20) -> int | None:
-    """Smallest decode batch at which the step turns compute-bound, or None below ``max_batch``.
+    """Smallest decode batch that is compute-bound, or None up to ``max_batch`` (chapter 1.4).
 
     With a long context each extra sequence brings its own KV bytes, so the intensity levels
     off below the ridge point and decode never becomes compute-bound: then this returns None.

@@ -1,4 +1,4 @@
-"""An interactive memory calculator for lab 01 (ipywidgets)."""
+"""An interactive memory calculator for lab 01 and chapter 1.3 (ipywidgets)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def memory_calculator(model: str = "Llama-3-8B", gpu: str = "L40S") -> widgets.V
                                 description="GPU"),
         "tensor_parallel_size": widgets.Dropdown(options=[1, 2, 4, 8], value=1,
                                                  description="TP size"),
-        "weight_dtype": widgets.Dropdown(options=[n for n in WEIGHT_FORMATS if n != "fp32"], value="bf16",
-                                         description="weights"),
+        "weight_dtype": widgets.Dropdown(options=[n for n in WEIGHT_FORMATS if n != "fp32"],
+                                         value="bf16", description="weights"),
         "kv_dtype": widgets.Dropdown(options=["bf16", "fp8"], value="bf16",
                                      description="KV cache"),
         "max_model_len": widgets.IntSlider(value=8192, min=512, max=131072, step=512,
