@@ -50,3 +50,11 @@ def test_chapter_1_numbers_are_computed_at_build_time(built):
 def test_unwritten_chapters_say_so(built):
     page = (built / "chapters" / "ch05_gateway_autoscaling.html").read_text()
     assert "Not written yet." in page
+
+
+def test_chapter_3_is_computed_and_cited(built):
+    page = (built / "chapters" / "ch03_paged_attention_batching_parallelism.html").read_text()
+    assert "{glue" not in page and "Not written yet." not in page
+    assert page.count("<img") >= 3                   # usage/latency, sweep, TP scaling
+    assert "static: 200 steps, continuous: 100 steps" in page   # the tutorial's toy
+    assert "Kwon" in page                            # bibliography rendered

@@ -4,7 +4,7 @@ import pytest
 
 from labkit.grading import check_number
 from labkit.hardware import decode_step, plan_kv_cache
-from labkit.hardware.exercises import (
+from labkit.exercises.ch01 import (
     check_decode_tokens_per_s,
     check_kv_bytes_per_token,
     check_max_concurrency,

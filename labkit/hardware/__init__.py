@@ -10,26 +10,13 @@
 
 from labkit.hardware.dtypes import WEIGHT_FORMATS, WeightFormat, kv_dtype_bytes, weight_format
 from labkit.hardware.gpus import GPU, get_gpu, gpu_table_markdown, list_gpus
-from labkit.hardware.kv_budget import (
-                                    DoesNotFitError,
-                                    KVCachePlan,
-                                    plan_kv_cache,
-                                    vllm_batch_defaults,
-)
-from labkit.hardware.memory import (
-                                    MemoryEstimate,
-                                    activation_bytes,
-                                    estimate_vram,
-                                    kv_cache_bytes_per_token,
-                                    weight_bytes,
-)
+from labkit.hardware.kv_budget import (DoesNotFitError, KVCachePlan, plan_kv_cache,
+                                       vllm_batch_defaults)
+from labkit.hardware.memory import (MemoryEstimate, activation_bytes, estimate_vram,
+                                    kv_cache_bytes_per_token, weight_bytes)
 from labkit.hardware.models import ModelSpec, ParamCount, get_model, preset_names, preset_record
-from labkit.hardware.roofline import (
-                                    StepBound,
-                                    decode_compute_bound_batch,
-                                    decode_step,
-                                    prefill_step,
-)
+from labkit.hardware.roofline import (StepBound, decode_compute_bound_batch, decode_step,
+                                      prefill_step, step_bound)
 from labkit.hardware.select import Recommendation, select_gpu
 
 __all__ = [
@@ -38,5 +25,5 @@ __all__ = [
     "decode_compute_bound_batch", "decode_step", "estimate_vram", "get_gpu", "get_model",
     "gpu_table_markdown", "kv_cache_bytes_per_token", "kv_dtype_bytes", "list_gpus",
     "plan_kv_cache", "prefill_step", "preset_names", "preset_record", "select_gpu",
-    "vllm_batch_defaults", "weight_bytes", "weight_format",
+    "step_bound", "vllm_batch_defaults", "weight_bytes", "weight_format",
 ]

@@ -10,6 +10,7 @@ Communication between tensor-parallel ranks is left out here; chapter 3 adds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.hardware.dtypes import weight_format
@@ -100,22 +101,41 @@ def _compute_dtype(weight_dtype: str) -> str:
     return compute
 
 
+def step_bound(model: ModelSpec | str, gpu: GPU | str, rows: Sequence[tuple[int, int]],
+               weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+               tensor_parallel_size: int = 1) -> StepBound:
+    """Bound on one engine step over a mixed batch (chapter 1.4; the simulator's cost, 3.2).
+
+    ``rows`` holds ``(new_tokens, context_before)`` per sequence: a decode is ``(1, c)``, a
+    prefill chunk ``(n, c)``. New token ``j`` of a row attends to ``c + j`` tokens (causal),
+    every row reads its ``c`` cached tokens' K/V and writes ``n`` new ones, and the weights
+    are read once for the whole step.
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    check_tensor_parallel(model, tensor_parallel_size)
+    if not rows or any(n < 1 or c < 0 for n, c in rows):
+        raise ValueError("rows must be a non-empty list of (new_tokens >= 1, context >= 0)")
+    tokens = sum(n for n, _ in rows)
+    pairs = sum(n * c + n * (n + 1) / 2 for n, c in rows)
+    kv_tokens = sum(n + c for n, c in rows)
+    flops = _matmul_flops_per_token(model) * tokens + _attention_flops(model, 1, 1) * pairs
+    bytes_moved = (_weight_traffic(model, weight_dtype, tokens)
+                   + kv_cache_bytes_per_token(model, kv_dtype) * kv_tokens)
+    return _step(gpu, weight_dtype, flops, bytes_moved, tokens, tensor_parallel_size)
+
+
 def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context_len: int,
                 weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                 tensor_parallel_size: int = 1) -> StepBound:
     """Bound on one decode step of ``batch_size`` sequences with ``context_len`` tokens (ch. 1.4).
 
-    Bytes: the weights the step touches plus every sequence's KV cache read once.
-    FLOPs: ``2 x`` active parameters per sequence plus attention over the context.
+    Each sequence attends to ``context_len`` tokens, its new one included. Bytes: the weights
+    the step touches plus every sequence's KV cache. FLOPs: ``2 x`` active parameters per
+    sequence plus attention over the context.
     """
-    model, gpu = get_model(model), get_gpu(gpu)
     _check_positive(batch_size=batch_size, context_len=context_len)
-    check_tensor_parallel(model, tensor_parallel_size)
-    kv = kv_cache_bytes_per_token(model, kv_dtype) * batch_size * context_len
-    flops = (_matmul_flops_per_token(model) * batch_size
-             + _attention_flops(model, batch_size, context_len))
-    weights = _weight_traffic(model, weight_dtype, batch_size)
-    return _step(gpu, weight_dtype, flops, weights + kv, batch_size, tensor_parallel_size)
+    return step_bound(model, gpu, [(1, context_len - 1)] * batch_size, weight_dtype, kv_dtype,
+                      tensor_parallel_size)
 
 
 def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_size: int = 1,
@@ -126,15 +146,9 @@ def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_
     Causal attention: token ``i`` attends to ``i`` tokens, ``P(P+1)/2`` pairs per prompt.
     Bytes: the weights once plus the KV cache written for every prompt token.
     """
-    model, gpu = get_model(model), get_gpu(gpu)
     _check_positive(batch_size=batch_size, prompt_len=prompt_len)
-    check_tensor_parallel(model, tensor_parallel_size)
-    tokens = batch_size * prompt_len
-    pairs = batch_size * prompt_len * (prompt_len + 1) / 2
-    flops = _matmul_flops_per_token(model) * tokens + _attention_flops(model, 1, 1) * pairs
-    kv = kv_cache_bytes_per_token(model, kv_dtype) * tokens
-    weights = _weight_traffic(model, weight_dtype, tokens)
-    return _step(gpu, weight_dtype, flops, weights + kv, tokens, tensor_parallel_size)
+    return step_bound(model, gpu, [(prompt_len, 0)] * batch_size, weight_dtype, kv_dtype,
+                      tensor_parallel_size)
 
 
 def decode_compute_bound_batch(model: ModelSpec | str, gpu: GPU | str, context_len: int,

@@ -1,0 +1,17 @@
+"""Chapter 3.3: a serving simulator.
+
+- :mod:`~labkit.simulate.workload`: gamma/Poisson arrivals, length distributions,
+  shared-prefix conversations, trace replay.
+- :class:`RooflineCost`: chapter 1's roofline as the step-cost model.
+- :func:`simulate`: the discrete-event loop; :func:`summarize`: vLLM's benchmark metrics.
+"""
+
+from labkit.simulate.cost import RooflineCost, StepCostModel
+from labkit.simulate.metrics import BenchmarkResult, RequestMetrics, summarize
+from labkit.simulate.simulator import SimulationResult, StepRecord, simulate, sweep
+from labkit.simulate.workload import (arrival_times, load_trace, multi_turn_workload,
+                                      random_workload, sample_lengths)
+
+__all__ = ["BenchmarkResult", "RequestMetrics", "RooflineCost", "SimulationResult",
+           "StepCostModel", "StepRecord", "arrival_times", "load_trace", "multi_turn_workload",
+           "random_workload", "sample_lengths", "simulate", "summarize", "sweep"]
