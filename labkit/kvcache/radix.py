@@ -50,17 +50,7 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], TreeNode]:
         """KV slots of the longest cached prefix of ``token_ids``, and the node it ends at."""
-        node, slots, i = self.root, [], 0
-        now = next(self._clock)
-        node.last_access = now
-        while i < len(token_ids) and token_ids[i] in node.children:
-            child = node.children[token_ids[i]]
-            n = _common_length(child.key, token_ids[i:])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            slots.extend(child.value)
-            node, i = child, i + n
+        node, _, slots = self._walk(token_ids)
         return slots, node
 
     def insert(self, token_ids: Sequence[int], slots: Sequence[int]) -> int:
@@ -70,20 +60,32 @@ class RadixCache:
         """
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
-        node, i = self.root, 0
+        node, matched, _ = self._walk(token_ids)
+        if matched < len(token_ids):
+            leaf = TreeNode(tuple(token_ids[matched:]), list(slots[matched:]), node,
+                            last_access=node.last_access)
+            node.children[token_ids[matched]] = leaf
+            self.evictable_size += len(leaf.key)  # a new leaf is unlocked
+        return matched
+
+    def _walk(self, token_ids: Sequence[int]) -> tuple[TreeNode, int, list[int]]:
+        """Follow ``token_ids`` down the tree, splitting the edge where they diverge inside it.
+
+        Returns the deepest node reached, how many tokens matched, and their slots; every node
+        on the way is marked as used now (LRU order).
+        """
+        node, matched, slots = self.root, 0, []
         now = next(self._clock)
-        while i < len(token_ids) and token_ids[i] in node.children:
-            child = node.children[token_ids[i]]
-            n = _common_length(child.key, token_ids[i:])
+        node.last_access = now
+        while matched < len(token_ids) and token_ids[matched] in node.children:
+            child = node.children[token_ids[matched]]
+            n = _common_length(child.key, token_ids[matched:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            node, i = child, i + n
-        if i < len(token_ids):
-            leaf = TreeNode(tuple(token_ids[i:]), list(slots[i:]), node, last_access=now)
-            node.children[token_ids[i]] = leaf
-            self.evictable_size += len(leaf.key)  # a new leaf is unlocked
-        return i
+            slots.extend(child.value)
+            node, matched = child, matched + n
+        return node, matched, slots
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect the path from ``node`` to the root while a request uses it."""
