@@ -12,6 +12,7 @@ later), so a scheduler can never run what would not fit.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from labkit.kvcache import KVCacheManager
@@ -103,15 +104,37 @@ class Scheduler:
             self._admit_waiting(out, budget)
         return out
 
-    def update(self, out: SchedulerOutput, now: float) -> list[Request]:
-        """Account for a finished step at time ``now``; returns requests that completed."""
+    def update(self, out: SchedulerOutput, now: float,
+               sampled: Mapping[str, int] | None = None) -> list[Request]:
+        """Account for a finished step at time ``now``; returns requests that completed.
+
+        ``sampled`` maps request ids to the token an engine sampled for them this step; a
+        simulator leaves it out and requests emit their planned tokens.
+        """
+        sampled = sampled or {}
         done = [r for r in out.requests
-                if r.record_step(out.num_scheduled_tokens[r.request_id], now)]
+                if r.record_step(out.num_scheduled_tokens[r.request_id], now,
+                                 sampled.get(r.request_id))]
         for request in done:
             self.kv_cache.free(request.request_id)
             self.running.remove(request)
         self.finished.extend(done)
         return done
+
+    def finish_request(self, request: Request, now: float) -> None:
+        """End a request early (a stop token or string, or the client went away), freeing
+        its blocks at once. Finishing a finished request does nothing."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_cache.free(request.request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            raise ValueError(f"request {request.request_id!r} is not in this scheduler")
+        request.finish(now)
+        self.finished.append(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new) is None:

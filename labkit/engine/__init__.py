@@ -1,0 +1,18 @@
+"""Chapter 2.1: labkit's teaching inference engine, with vLLM's offline API.
+
+A real, small engine in NumPy: a Llama-family model that loads a Hugging Face directory,
+attention over :mod:`labkit.kvcache`'s paged cache, continuous batching and prefix caching
+from :mod:`labkit.scheduling`, and sampling with vLLM's parameters.
+
+    from labkit.engine import LLM, SamplingParams, write_tiny_model
+    llm = LLM(model=str(write_tiny_model("tiny-llama")))
+    print(llm.generate("Paged attention", SamplingParams(max_tokens=8))[0].outputs[0].text)
+"""
+
+from labkit.engine.llm_engine import LLM, EngineArgs, LLMEngine
+from labkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from labkit.engine.sampling import SamplingParams
+from labkit.engine.tiny import write_tiny_model
+
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "write_tiny_model"]

@@ -1,0 +1,133 @@
+"""A Llama-family decoder in NumPy whose attention reads a paged KV cache (chapter 2.1).
+
+RMSNorm, rotary position embeddings (with Llama 3's frequency scaling), grouped-query
+attention through :func:`labkit.attention.paged_attention`, and the SwiGLU MLP; Qwen2's q/k/v
+biases and tied embeddings are read when the checkpoint has them. It computes in float32 and
+matches ``transformers``' ``LlamaForCausalLM`` on the same weights (a test checks the logits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from labkit.attention import PagedKVStore, paged_attention
+from labkit.engine.weights import load_checkpoint
+from labkit.hardware import ModelSpec
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """One sequence's part of a step: its new tokens, where they start, and its block table."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+
+class LlamaModel:
+    """Weights, rotary tables and one paged K/V store per layer."""
+
+    def __init__(self, config: dict, weights: dict[str, np.ndarray], num_blocks: int,
+                 block_size: int) -> None:
+        if config.get("model_type") not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"model_type {config.get('model_type')!r} is not a Llama-family "
+                             f"model this engine runs")
+        self.spec = ModelSpec.from_hf_config(config)
+        self.eps = config.get("rms_norm_eps", 1e-6)
+        self.inv_freq = _rope_inv_freq(config, self.spec.head_dim)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)  # tied when absent
+        self.norm = weights["model.norm.weight"]
+        self.layers = [{key.split(f"layers.{i}.", 1)[1]: value for key, value in weights.items()
+                        if f"layers.{i}." in key} for i in range(self.spec.num_layers)]
+        self.kv = [PagedKVStore(num_blocks, block_size, self.spec.num_kv_heads,
+                                self.spec.head_dim) for _ in range(self.spec.num_layers)]
+
+    @classmethod
+    def load(cls, model_dir: str | Path, num_blocks: int, block_size: int) -> LlamaModel:
+        import json
+
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return cls(config, load_checkpoint(model_dir), num_blocks, block_size)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm] + [w for layer in self.layers for w in layer.values()]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        return sum(t.nbytes for t in tensors)
+
+    def forward(self, batch: Sequence[SequenceBatch]) -> list[np.ndarray]:
+        """Logits ``[new_tokens, vocab]`` for each sequence; writes their K/V to the cache."""
+        spec = self.spec
+        tokens = np.concatenate([np.asarray(s.token_ids) for s in batch])
+        positions = np.concatenate([np.arange(s.start, s.start + len(s.token_ids))
+                                    for s in batch])
+        cos, sin = self._rope_tables(positions)
+        x = self.embed[tokens]
+        for layer, store in zip(self.layers, self.kv, strict=True):
+            h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
+            q = _linear(h, layer, "self_attn.q_proj").reshape(len(x), spec.num_attention_heads, -1)
+            k = _linear(h, layer, "self_attn.k_proj").reshape(len(x), spec.num_kv_heads, -1)
+            v = _linear(h, layer, "self_attn.v_proj").reshape(len(x), spec.num_kv_heads, -1)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            outputs, offset = [], 0
+            for seq in batch:
+                n = len(seq.token_ids)
+                store.write(seq.block_table, seq.start, k[offset:offset + n], v[offset:offset + n])
+                outputs.append(paged_attention(q[offset:offset + n], store, seq.block_table,
+                                               seq.start + n))
+                offset += n
+            attn = np.concatenate(outputs).reshape(len(x), -1).astype(np.float32)
+            x = x + _linear(attn, layer, "self_attn.o_proj")
+            h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
+            gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
+            x = x + _linear(gate / (1 + np.exp(-gate)) * up, layer, "mlp.down_proj")
+        logits = _rms_norm(x, self.norm, self.eps) @ self.lm_head.T
+        return np.split(logits, np.cumsum([len(s.token_ids) for s in batch])[:-1])
+
+    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        freqs = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
+        emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [tokens, 1, head_dim]
+        return np.cos(emb), np.sin(emb)
+
+
+def _linear(x: np.ndarray, layer: dict[str, np.ndarray], name: str) -> np.ndarray:
+    y = x @ layer[name + ".weight"].T
+    bias = layer.get(name + ".bias")
+    return y + bias if bias is not None else y
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_inv_freq(config: dict, head_dim: int) -> np.ndarray:
+    """Rotary frequencies; Llama 3.1+ rescales the low ones to stretch the context."""
+    theta = config.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return inv_freq.astype(np.float32)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported by the teaching engine")
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)

@@ -1,0 +1,52 @@
+"""Read ``*.safetensors`` checkpoints into float32 NumPy arrays, BF16 included (chapter 2.1).
+
+NumPy has no bfloat16, so BF16 tensors are widened by hand: a BF16 number is the upper 16 bits
+of the float32 with the same value. The format itself is simple: an 8-byte little-endian
+header length, a JSON header giving each tensor's dtype, shape and byte range, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
+           "I32": np.int32, "I8": np.int8, "U8": np.uint8}
+
+
+def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of one ``.safetensors`` file; floating point ones as float32."""
+    data = Path(path).read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_len])
+    body = memoryview(data)[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = body[start:end]
+        if info["dtype"] == "BF16":
+            array = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif info["dtype"] in _DTYPES:
+            array = np.frombuffer(raw, _DTYPES[info["dtype"]])
+        else:
+            raise ValueError(f"{Path(path).name}: tensor {name!r} has unsupported dtype "
+                             f"{info['dtype']}")
+        array = array.reshape(info["shape"])
+        tensors[name] = array.astype(np.float32) if array.dtype.kind == "f" else array.copy()
+    return tensors
+
+
+def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a model directory, one or several ``.safetensors`` shards."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors file in {model_dir}")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(load_safetensors(file))
+    return tensors
