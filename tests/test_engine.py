@@ -131,3 +131,19 @@ def test_bf16_checkpoints_load(tmp_path):
     safetensors_torch.save_file({"w": t}, str(tmp_path / "x.safetensors"))
     np.testing.assert_array_equal(load_safetensors(tmp_path / "x.safetensors")["w"],
                                   t.float().numpy())
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[0-9]{4}", r"(yes|no)", r"The answer is [A-D]\."])
+def test_regex_constrained_output_matches(tiny, pattern):
+    import regex
+
+    llm = LLM(tiny)
+    for seed in range(3):
+        out = llm.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=30,
+                                                   regex=pattern))[0].outputs[0]
+        assert regex.fullmatch(pattern, out.text) and out.finish_reason == "stop"
+
+
+def test_invalid_regex_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="regex: invalid pattern"):
+        LLM(tiny).generate("x", SamplingParams(regex="(unclosed"))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.engine.constraints import RegexConstraint
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from labkit.engine.sampling import SamplingParams, sample
@@ -54,6 +55,7 @@ class _Tracked:
     prompt: str | None
     rng: np.random.Generator
     metrics: RequestMetrics
+    constraint: RegexConstraint | None = None
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -79,6 +81,7 @@ class LLMEngine:
         self.model.kv = [type(store)(self.num_gpu_blocks, args.block_size, spec.num_kv_heads,
                                      spec.head_dim) for store in self.model.kv]
         self.tokenizer = Tokenizer(model_dir)
+        self._token_texts: list[str] | None = None  # for regex constraints, built on first use
         self.kv_cache = KVCacheManager(self.num_gpu_blocks, args.block_size,
                                        args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, SchedulerConfig(
@@ -128,9 +131,16 @@ class LLMEngine:
         now = time.monotonic()
         request = Request(request_id, token_ids, arrival_time=now, max_tokens=params.max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.spawn(1)[0]
+        constraint = None
+        if params.regex is not None:
+            if self._token_texts is None:
+                self._token_texts = [self.tokenizer.decode([t], skip_special_tokens=True)
+                                     for t in range(self.tokenizer.vocab_size)]
+            constraint = RegexConstraint(params.regex, self._token_texts,
+                                         self.tokenizer.eos_token_id)
         self.scheduler.add_request(request)
         self.requests[request_id] = _Tracked(request, params, text, np.random.default_rng(seed),
-                                             RequestMetrics(now))
+                                             RequestMetrics(now), constraint)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -167,7 +177,9 @@ class LLMEngine:
             n = out.num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens + n == request.num_tokens:
                 tracked = self.requests[request.request_id]
-                sampled[request.request_id] = sample(rows[-1], tracked.params, tracked.rng)
+                allowed = tracked.constraint.allowed(tracked.text) if tracked.constraint else None
+                sampled[request.request_id] = sample(rows[-1], tracked.params, tracked.rng,
+                                                     allowed)
             if request.num_output_tokens == 0:
                 self.num_prompt_tokens += n
         now = time.monotonic()
@@ -181,7 +193,8 @@ class LLMEngine:
         tracked.metrics.last_token_time = now
         outputs = request.token_ids[request.prompt_len:]
         eos = self.tokenizer.eos_token_id
-        if token in params.stop_token_ids or (token == eos and not params.ignore_eos):
+        ends = not params.ignore_eos or tracked.constraint is not None  # a match may end here
+        if token in params.stop_token_ids or (token == eos and ends):
             tracked.finish_reason, tracked.stop_reason = "stop", None if token == eos else token
         tracked.text = self.tokenizer.decode(outputs)
         for stop in params.stop:

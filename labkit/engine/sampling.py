@@ -14,6 +14,7 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``top_k=-1`` (or 0) and ``top_p=1`` disable those filters.
     ``seed`` makes one request's sampling reproducible whatever it is batched with.
+    ``regex`` constrains the output to match a pattern (SGLang's parameter of that name).
     """
 
     temperature: float = 1.0
@@ -24,6 +25,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=list)
     stop_token_ids: Sequence[int] = field(default_factory=list)
     ignore_eos: bool = False
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,8 +41,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a row of logits: temperature, then top-k, then top-p."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           allowed: np.ndarray | None = None) -> int:
+    """One token id from a row of logits: mask, temperature, then top-k, then top-p."""
+    if allowed is not None:
+        if not allowed.any():
+            raise ValueError("regex: no token can continue the output")
+        logits = np.where(allowed, logits, -np.inf)
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

@@ -34,11 +34,20 @@ class RequestMetrics:
     def of(cls, request: Request) -> RequestMetrics:
         if request.finish_time is None:
             raise ValueError(f"request {request.request_id!r} has not finished")
-        times = np.asarray(request.token_times)
-        ttft = times[0] - request.arrival_time
-        e2el = times[-1] - request.arrival_time
+        return cls.from_times(request.request_id, request.prompt_len, request.arrival_time,
+                              request.token_times)
+
+    @classmethod
+    def from_times(cls, request_id: str, prompt_len: int, start_s: float,
+                   token_times_s: Sequence[float]) -> RequestMetrics:
+        """Latencies from a start time and the arrival time of every output token."""
+        times = np.asarray(token_times_s)
+        if times.size == 0:
+            raise ValueError(f"request {request_id!r} produced no token")
+        ttft = times[0] - start_s
+        e2el = times[-1] - start_s
         n = len(times)
-        return cls(request.request_id, request.prompt_len, n, 1e3 * ttft,
+        return cls(request_id, prompt_len, n, 1e3 * ttft,
                    1e3 * (e2el - ttft) / (n - 1) if n > 1 else 0.0, 1e3 * e2el,
                    tuple(1e3 * np.diff(times)))
 
@@ -86,13 +95,19 @@ class BenchmarkResult:
 
 def summarize(requests: Sequence[Request], duration_s: float,
               slos_ms: Mapping[str, float] | None = None) -> BenchmarkResult:
-    """Summarize finished requests over a run of ``duration_s`` seconds."""
+    """Summarize finished simulated requests over a run of ``duration_s`` seconds."""
+    return summarize_metrics([RequestMetrics.of(r) for r in requests
+                              if r.finish_time is not None], duration_s, slos_ms)
+
+
+def summarize_metrics(per_request: Sequence[RequestMetrics], duration_s: float,
+                      slos_ms: Mapping[str, float] | None = None) -> BenchmarkResult:
+    """Summarize per-request latencies, simulated or measured, over ``duration_s`` seconds."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     for name in slos_ms or {}:
         if name not in SLO_METRICS:
             raise ValueError(f"SLO metric must be one of {SLO_METRICS}, got {name!r}")
-    per_request = [RequestMetrics.of(r) for r in requests if r.finish_time is not None]
     if not per_request:
         raise ValueError("no request finished")
 

@@ -1,0 +1,125 @@
+"""One benchmark harness for every OpenAI-compatible server (chapter 2.5).
+
+It follows ``vllm bench serve``: requests leave at gamma-distributed times (``burstiness`` 1
+is Poisson) at ``request_rate`` per second, or as fast as ``max_concurrency`` allows; each is
+streamed, and the arrival time of every token is recorded. TTFT, TPOT, ITL, E2EL, throughput
+and goodput come out with vLLM's names (:class:`labkit.simulate.BenchmarkResult`), so a run
+against vLLM on a GPU and a run against ``labkit serve`` on a laptop print the same table.
+Token counts are the server's own (``usage``), not a client-side estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from labkit.simulate.metrics import BenchmarkResult, RequestMetrics, summarize_metrics
+from labkit.simulate.workload import arrival_times
+
+_WORDS = ("the cache holds keys and values for every token of every sequence while the "
+          "scheduler batches requests and the kernels read weights from memory").split()
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One prompt to send and how many tokens to ask for."""
+
+    prompt: str
+    max_tokens: int
+
+
+def random_dataset(num_prompts: int, input_words: int, output_len: int,
+                   range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+    """Random prompts of about ``input_words`` words (uniform within ``range_ratio``)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    low = max(1, round(input_words * (1 - range_ratio)))
+    high = round(input_words * (1 + range_ratio))
+    return [BenchRequest(" ".join(rng.choice(_WORDS, size=int(rng.integers(low, high + 1)))),
+                         output_len) for _ in range(num_prompts)]
+
+
+def shared_prefix_dataset(num_prompts: int, prefix_words: int, suffix_words: int,
+                          output_len: int, num_prefixes: int = 1,
+                          seed: int = 0) -> list[BenchRequest]:
+    """Prompts that share one of ``num_prefixes`` long prefixes: a prefix-cache workload."""
+    rng = np.random.default_rng(seed)
+    prefixes = [" ".join(rng.choice(_WORDS, size=prefix_words)) for _ in range(num_prefixes)]
+    return [BenchRequest(prefixes[i % num_prefixes] + " "
+                         + " ".join(rng.choice(_WORDS, size=suffix_words)), output_len)
+            for i in range(num_prompts)]
+
+
+async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
+               index: int) -> RequestMetrics | None:
+    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, token_times, prompt_tokens = time.perf_counter(), [], 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                token_times.append(time.perf_counter())
+    if not token_times:
+        return None
+    return RequestMetrics.from_times(f"bench-{index}", prompt_tokens, start, token_times)
+
+
+async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchRequest],
+                          request_rate: float = math.inf, burstiness: float = 1.0,
+                          max_concurrency: int | None = None, seed: int = 0,
+                          slos_ms: Mapping[str, float] | None = None,
+                          progress: bool = False) -> BenchmarkResult:
+    """Send ``requests`` to ``base_url`` and summarize what was measured."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    from tqdm.auto import tqdm
+
+    gate = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    send_at = arrival_times(len(requests), request_rate, burstiness, seed)
+    bar = tqdm(total=len(requests), disable=not progress, desc="requests")
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as http:
+        start = time.perf_counter()
+
+        async def send(i: int, request: BenchRequest):
+            await asyncio.sleep(max(0.0, start + send_at[i] - time.perf_counter()))
+            async with gate:
+                result = await _one(http, model, request, i)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
+        duration = time.perf_counter() - start
+    bar.close()
+    completed = [r for r in results if r is not None]
+    return summarize_metrics(completed, duration, slos_ms)
+
+
+def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
+              **kwargs) -> BenchmarkResult:
+    """Blocking :func:`benchmark_async`; in Jupyter use ``await benchmark_async(...)``."""
+    return asyncio.run(benchmark_async(base_url, model, requests, **kwargs))
+
+
+async def sweep_async(base_url: str, model: str, requests: Sequence[BenchRequest],
+                      request_rates: Sequence[float],
+                      **kwargs) -> list[tuple[float, BenchmarkResult]]:
+    """One benchmark per request rate: the throughput-latency curve of a real server."""
+    return [(rate, await benchmark_async(base_url, model, requests, request_rate=rate, **kwargs))
+            for rate in request_rates]

@@ -1,0 +1,80 @@
+"""``labkit`` on the command line (chapter 2).
+
+    labkit serve MODEL_DIR [vLLM's flags]   an OpenAI-compatible server for the teaching engine
+    labkit tiny-model PATH                  write a tiny random Llama with a real tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from labkit.engine.llm_engine import EngineArgs
+
+
+def serve_parser(subparsers) -> argparse.ArgumentParser:
+    """``labkit serve``: vLLM's flag names, defaults from :class:`EngineArgs`."""
+    defaults = EngineArgs(model="")
+    p = subparsers.add_parser("serve", help="serve a model directory over the OpenAI API")
+    p.add_argument("model", help="Hugging Face model directory (config.json, safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the directory given)")
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=defaults.gpu_memory_utilization)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=defaults.enable_prefix_caching)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=defaults.enable_chunked_prefill)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--device-memory-gib", type=float, default=defaults.device_memory_gib,
+                   help="memory of the simulated device the KV cache is sized against")
+    return p
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(model=ns.model, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
+                      max_model_len=ns.max_model_len,
+                      enable_prefix_caching=ns.enable_prefix_caching,
+                      enable_chunked_prefill=ns.enable_chunked_prefill, seed=ns.seed,
+                      device_memory_gib=ns.device_memory_gib)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="labkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub)
+    tiny = sub.add_parser("tiny-model", help="write a tiny random Llama model directory")
+    tiny.add_argument("path")
+    ns = parser.parse_args(argv)
+    if ns.command == "tiny-model":
+        from labkit.engine.tiny import write_tiny_model
+
+        print(write_tiny_model(ns.path))
+        return 0
+    import uvicorn
+
+    from labkit.engine.async_engine import AsyncLLMEngine
+    from labkit.engine.server import build_app
+
+    try:
+        engine = AsyncLLMEngine(engine_args(ns), ns.served_model_name or ns.model)
+    except ValueError as err:
+        print(f"labkit serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        uvicorn.run(build_app(engine), host=ns.host, port=ns.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

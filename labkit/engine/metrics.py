@@ -1,0 +1,87 @@
+"""The teaching engine's Prometheus metrics, with vLLM's names (chapter 2.2, chapter 8).
+
+Dashboards and alerts written for vLLM (``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds`` ...) work unchanged
+against ``labkit serve``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from labkit.engine.outputs import RequestOutput
+
+# vLLM's own bucket edges, in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineMetrics:
+    """Counters, gauges and histograms of one served model, in their own registry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 %.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency.",
+                             E2E_BUCKETS)
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_token_time: dict[str, float] = {}
+
+    def record_step(self, engine, outputs: list[RequestOutput]) -> None:
+        """Bring the metrics up to date after one ``LLMEngine.step()``."""
+        scheduler, kv = engine.scheduler, engine.kv_cache
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_usage.set(kv.usage)
+        for key, counter, total in (
+                ("queries", self.prefix_queries, kv.prefix_cache_queries),
+                ("hits", self.prefix_hits, kv.prefix_cache_hits),
+                ("preemptions", self.preemptions, scheduler.num_preemptions),
+                ("prompt", self.prompt_tokens, engine.num_prompt_tokens),
+                ("generation", self.generation_tokens, engine.num_generation_tokens)):
+            counter.inc(total - self._seen[key])
+            self._seen[key] = total
+        for output in outputs:
+            m = output.metrics
+            previous = self._last_token_time.get(output.request_id)
+            if previous is None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+            else:
+                self.itl.observe(m.last_token_time - previous)
+            self._last_token_time[output.request_id] = m.last_token_time
+            if output.finished:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+                del self._last_token_time[output.request_id]
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept about an aborted request."""
+        self._last_token_time.pop(request_id, None)

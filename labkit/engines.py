@@ -1,0 +1,214 @@
+"""Launch real inference engines: one config, four command lines (chapter 2.2-2.4).
+
+``ServeConfig`` holds the deployment options the tutorial uses (tensor parallelism, memory
+fraction, context length, quantization, served name) with safe defaults: bind to localhost,
+never ``--trust-remote-code`` unless asked. It renders to ``vllm serve``, SGLang's
+``launch_server``, TensorRT-LLM's ``trtllm-serve`` (and the older convert/build steps), and
+``labkit serve``, the teaching engine that stands in on machines without a GPU.
+``ServerProcess`` starts any of them, waits for ``/health`` and stops the whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from labkit.lab import LabPath, detect
+
+ENGINES = ("vllm", "sglang", "trtllm", "labkit")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What to serve and how; option names are vLLM's."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    quantization: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int | None = None
+    trust_remote_code: bool = False
+    extra_args: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a model name or directory")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, "
+                             f"got {self.tensor_parallel_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def _optional(flag: str, value) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def vllm_command(cfg: ServeConfig) -> list[str]:
+    """``vllm serve`` with the config's options (vLLM's OpenAI-compatible server)."""
+    return ["vllm", "serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+            "--served-model-name", cfg.name,
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            "--dtype", cfg.dtype,
+            *_optional("--max-model-len", cfg.max_model_len),
+            *_optional("--quantization", cfg.quantization),
+            *_optional("--max-num-seqs", cfg.max_num_seqs),
+            *(["--trust-remote-code"] if cfg.trust_remote_code else []),
+            *cfg.extra_args]
+
+
+def sglang_command(cfg: ServeConfig) -> list[str]:
+    """``python -m sglang.launch_server``: SGLang names the same options differently."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model,
+            "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", cfg.name,
+            "--tp-size", str(cfg.tensor_parallel_size),
+            "--mem-fraction-static", str(cfg.gpu_memory_utilization),
+            "--dtype", cfg.dtype,
+            *_optional("--context-length", cfg.max_model_len),
+            *_optional("--quantization", cfg.quantization),
+            *_optional("--max-running-requests", cfg.max_num_seqs),
+            *(["--trust-remote-code"] if cfg.trust_remote_code else []),
+            *cfg.extra_args]
+
+
+def trtllm_command(cfg: ServeConfig) -> list[str]:
+    """``trtllm-serve``: TensorRT-LLM's OpenAI-compatible server (PyTorch backend, no build).
+
+    Its KV-cache knob is the fraction of memory left *after* the weights, not of the whole
+    GPU: the same number means something different than in vLLM.
+    """
+    return ["trtllm-serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+            "--backend", "pytorch", "--tp_size", str(cfg.tensor_parallel_size),
+            "--kv_cache_free_gpu_memory_fraction", str(cfg.gpu_memory_utilization),
+            *_optional("--max_seq_len", cfg.max_model_len),
+            *_optional("--max_batch_size", cfg.max_num_seqs),
+            *(["--trust_remote_code"] if cfg.trust_remote_code else []),
+            *cfg.extra_args]
+
+
+def trtllm_build_commands(cfg: ServeConfig, checkpoint_dir: str, engine_dir: str,
+                          max_batch_size: int = 64, max_input_len: int = 4096,
+                          dtype: str = "float16") -> list[list[str]]:
+    """The ahead-of-time path the tutorial shows: convert the checkpoint, then build engines.
+
+    ``convert_checkpoint.py`` ships per model family in TensorRT-LLM's ``examples/`` folder.
+    """
+    max_seq_len = cfg.max_model_len or 8192
+    return [
+        [sys.executable, "convert_checkpoint.py", "--model_dir", cfg.model,
+         "--output_dir", checkpoint_dir, "--dtype", dtype,
+         "--tp_size", str(cfg.tensor_parallel_size)],
+        ["trtllm-build", "--checkpoint_dir", checkpoint_dir, "--output_dir", engine_dir,
+         "--gemm_plugin", "auto", "--max_batch_size", str(max_batch_size),
+         "--max_input_len", str(max_input_len), "--max_seq_len", str(max_seq_len)],
+    ]
+
+
+def labkit_command(cfg: ServeConfig) -> list[str]:
+    """``labkit serve``, the teaching engine, with vLLM's flag names."""
+    if cfg.tensor_parallel_size != 1 or cfg.quantization:
+        raise ValueError("the teaching engine runs on one device, unquantized")
+    return [sys.executable, "-m", "labkit.cli", "serve", cfg.model, "--host", cfg.host,
+            "--port", str(cfg.port), "--served-model-name", cfg.name,
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            *_optional("--max-model-len", cfg.max_model_len),
+            *_optional("--max-num-seqs", cfg.max_num_seqs), *cfg.extra_args]
+
+
+def command_for(engine: str, cfg: ServeConfig) -> list[str]:
+    commands = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_command,
+                "labkit": labkit_command}
+    if engine not in commands:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return commands[engine](cfg)
+
+
+def choose_engine(wanted: str, path: LabPath | None = None) -> str:
+    """``wanted`` when this machine can run it (a CUDA GPU and the package), else ``labkit``."""
+    path = path or detect()
+    package = {"trtllm": "tensorrt_llm"}.get(wanted, wanted)
+    return wanted if wanted == "labkit" or path.uses(package) else "labkit"
+
+
+class ServerProcess:
+    """A server subprocess: started in its own process group, healthy, then stopped whole.
+
+        with ServerProcess(command_for("labkit", cfg), cfg.base_url) as server:
+            ...  # server.base_url answers OpenAI requests
+    """
+
+    def __init__(self, command: Sequence[str], base_url: str, startup_timeout_s: float = 600):
+        self.command, self.base_url = list(command), base_url
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log",
+                                               delete=False)
+
+    def start(self) -> ServerProcess:
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.startup_timeout_s} s:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15) -> None:
+        """SIGTERM the whole process group (engines spawn workers), SIGKILL after grace."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-lines:])
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
