@@ -1,13 +1,18 @@
 # make lab   - install what the labs need into .venv and open JupyterLab on labs/
 # make book  - install the book tools, execute every page and build book/_build/html strictly
 # make test  - install everything, lint, then run labkit's tests, nbval on every lab and the book build
+# make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Jupyter refuses to start as root without this flag (containers, CI machines).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab book test clean
+ENGINES_VENV ?= .venv-engines
+VLLM_VERSION ?= 0.33.0
+SGLANG_VERSION ?= 0.5.23
+
+.PHONY: lab book test test-engines clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +34,17 @@ test: $(VENV)/.installed-lab+book+test+ref
 	$(BIN)/ruff check labkit tests
 	$(BIN)/python -m pytest
 
+# vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
+$(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install --quiet -r tests/engines/requirements.txt
+	$(ENGINES_VENV)/bin/python -m pip install --quiet -e ".[serve]"
+	$(ENGINES_VENV)/bin/python -m pip install --quiet --no-deps vllm==$(VLLM_VERSION) \
+		sglang==$(SGLANG_VERSION)
+	touch $@
+
+test-engines: $(ENGINES_VENV)/.installed
+	VLLM_TARGET_DEVICE=cpu $(ENGINES_VENV)/bin/python -m pytest -o addopts=-ra tests/engines
+
 clean:
-	rm -rf $(VENV) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES_VENV) book/_build .pytest_cache .hypothesis

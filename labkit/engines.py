@@ -10,14 +10,18 @@ never ``--trust-remote-code`` unless asked. It renders to ``vllm serve``, SGLang
 
 from __future__ import annotations
 
+import csv
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 
 import httpx
 
@@ -67,6 +71,13 @@ class ServeConfig:
         return self.served_model_name or self.model
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _optional(flag: str, value) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
@@ -99,14 +110,18 @@ def sglang_command(cfg: ServeConfig) -> list[str]:
             *cfg.extra_args]
 
 
-def trtllm_command(cfg: ServeConfig) -> list[str]:
-    """``trtllm-serve``: TensorRT-LLM's OpenAI-compatible server (PyTorch backend, no build).
+def trtllm_command(cfg: ServeConfig, backend: str = "pytorch") -> list[str]:
+    """``trtllm-serve``: TensorRT-LLM's OpenAI-compatible server.
 
-    Its KV-cache knob is the fraction of memory left *after* the weights, not of the whole
-    GPU: the same number means something different than in vLLM.
+    ``backend="pytorch"`` serves a Hugging Face checkpoint with no build step;
+    ``"tensorrt"`` serves an engine directory made by ``trtllm-build``. Its KV-cache knob is
+    the fraction of memory left *after* the weights, not of the whole GPU: the same number
+    means something different than in vLLM.
     """
+    if backend not in ("pytorch", "tensorrt"):
+        raise ValueError(f"backend must be 'pytorch' or 'tensorrt', got {backend!r}")
     return ["trtllm-serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
-            "--backend", "pytorch", "--tp_size", str(cfg.tensor_parallel_size),
+            "--backend", backend, "--tp_size", str(cfg.tensor_parallel_size),
             "--kv_cache_free_gpu_memory_fraction", str(cfg.gpu_memory_utilization),
             *_optional("--max_seq_len", cfg.max_model_len),
             *_optional("--max_batch_size", cfg.max_num_seqs),
@@ -123,7 +138,7 @@ def trtllm_build_commands(cfg: ServeConfig, checkpoint_dir: str, engine_dir: str
     """
     max_seq_len = cfg.max_model_len or 8192
     return [
-        [sys.executable, "convert_checkpoint.py", "--model_dir", cfg.model,
+        ["python", "convert_checkpoint.py", "--model_dir", cfg.model,
          "--output_dir", checkpoint_dir, "--dtype", dtype,
          "--tp_size", str(cfg.tensor_parallel_size)],
         ["trtllm-build", "--checkpoint_dir", checkpoint_dir, "--output_dir", engine_dir,
@@ -141,6 +156,18 @@ def labkit_command(cfg: ServeConfig) -> list[str]:
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             *_optional("--max-model-len", cfg.max_model_len),
             *_optional("--max-num-seqs", cfg.max_num_seqs), *cfg.extra_args]
+
+
+def format_command(command: Sequence[str]) -> str:
+    """A command as a shell line continued over several lines, one ``--flag value`` per line."""
+    lines, current = [], [shlex.quote(command[0])]
+    for arg in command[1:]:
+        if arg.startswith("--"):
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(arg))
+    lines.append(" ".join(current))
+    return " \\\n    ".join(lines)
 
 
 def command_for(engine: str, cfg: ServeConfig) -> list[str]:
@@ -212,3 +239,84 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+#: The model GPU-path labs serve unless ``LABKIT_GPU_MODEL`` names another.
+DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def lab_model(engine: str) -> str:
+    """The model a lab serves: a real one on the GPU path, the tiny local one on the CPU path.
+
+    The tiny model is written once to ``$LABKIT_CACHE`` (default ``~/.cache/labkit``).
+    """
+    if engine != "labkit":
+        return os.environ.get("LABKIT_GPU_MODEL", DEFAULT_GPU_MODEL)
+    from pathlib import Path
+
+    from labkit.engine.tiny import write_tiny_model
+
+    cache = Path(os.environ.get("LABKIT_CACHE", Path.home() / ".cache" / "labkit"))
+    target = cache / "tiny-llama"
+    if not (target / "model.safetensors").is_file():
+        write_tiny_model(target)
+    return str(target)
+
+
+def offline_api(engine: str):
+    """``(LLM, SamplingParams)`` of vLLM on the GPU path, of the teaching engine otherwise."""
+    if engine == "vllm":
+        from vllm import LLM, SamplingParams
+    elif engine == "labkit":
+        from labkit.engine import LLM, SamplingParams
+    else:
+        raise ValueError(f"engine must be 'vllm' or 'labkit' for the offline API, got {engine!r}")
+    return LLM, SamplingParams
+
+
+def start_lab_server(wanted: str, served_model_name: str = "course-model",
+                     max_model_len: int = 1024,
+                     path: LabPath | None = None) -> tuple[str, ServeConfig, ServerProcess]:
+    """Start the server a lab is about: ``wanted`` on the GPU path, ``labkit`` otherwise.
+
+    Returns the engine that runs, its config and the started :class:`ServerProcess`, which the
+    lab stops when done.
+    """
+    engine = choose_engine(wanted, path)
+    cfg = ServeConfig(model=lab_model(engine), served_model_name=served_model_name,
+                      port=free_port(), max_model_len=max_model_len)
+    return engine, cfg, ServerProcess(command_for(engine, cfg), cfg.base_url).start()
+
+
+def engine_table_markdown(columns: Sequence[str] = ("kv_cache", "prefix_cache", "batching",
+                                                      "structured_output", "quantization",
+                                                      "hardware", "server")) -> str:
+    """The framework comparison of chapter 2 from ``labkit/data/engines.csv`` (sourced rows)."""
+    text = resources.files("labkit.data").joinpath("engines.csv").read_text(encoding="utf-8")
+    rows = list(csv.DictReader(text.splitlines()))
+    header = "| | " + " | ".join(row["engine"] for row in rows) + " |"
+    lines = [header, "|---" * (len(rows) + 1) + "|"]
+    for column in columns:
+        cells = " | ".join(row[column] for row in rows)
+        lines.append(f"| {column.replace('_', ' ')} | {cells} |")
+    return "\n".join(lines)
+
+
+def flag_table_markdown(cfg: ServeConfig) -> str:
+    """The same deployment options as each engine spells them, rendered from ``cfg``."""
+    rendered = {name: command_for(name, cfg) for name in ("vllm", "sglang", "trtllm")}
+    options = [("tensor parallelism", "--tensor-parallel-size", "--tp-size", "--tp_size"),
+               ("memory for the KV cache", "--gpu-memory-utilization", "--mem-fraction-static",
+                "--kv_cache_free_gpu_memory_fraction"),
+               ("context length", "--max-model-len", "--context-length", "--max_seq_len"),
+               ("concurrent sequences", "--max-num-seqs", "--max-running-requests",
+                "--max_batch_size")]
+    lines = ["| option | vLLM | SGLang | TensorRT-LLM |", "|---|---|---|---|"]
+    for label, *flags in options:
+        cells = []
+        for engine, flag in zip(rendered, flags, strict=True):
+            cmd = rendered[engine]
+            value = cmd[cmd.index(flag) + 1] if flag in cmd else "(default)"
+            cells.append(f"`{flag} {value}`" if flag in cmd else f"`{flag}` {value}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

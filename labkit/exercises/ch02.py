@@ -1,0 +1,83 @@
+"""Checks for the exercises of the chapter 2 labs (engines, the OpenAI API, benchmarks)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from labkit.grading import Feedback, check_number
+from labkit.simulate.metrics import RequestMetrics
+
+
+def check_stop_params(params) -> Feedback:
+    """Lab 02a: SamplingParams that stop at the first period, greedy, at most 20 tokens."""
+    if params is None:
+        return Feedback(False, "Not answered yet: build the SamplingParams.")
+    problems = []
+    if "." not in list(getattr(params, "stop", None) or []):
+        problems.append('stop should contain "."')
+    if getattr(params, "max_tokens", None) != 20:
+        problems.append("max_tokens should be 20")
+    if getattr(params, "temperature", None) != 0:
+        problems.append("temperature 0 makes decoding greedy")
+    if problems:
+        return Feedback(False, "Not quite: " + "; ".join(problems) + ".")
+    return Feedback(True, "Correct: greedy, stops at the first period or after 20 tokens.")
+
+
+def check_chat_body(body: Mapping | None, model: str) -> Feedback:
+    """Lab 02b: a streaming, greedy chat-completion request body for ``model``."""
+    if body is None:
+        return Feedback(False, "Not answered yet: write the request body.")
+    problems = []
+    if body.get("model") != model:
+        problems.append(f"model should be {model!r}")
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, Mapping) and {"role", "content"} <= set(m) for m in messages)):
+        problems.append("messages should be a list of {'role': ..., 'content': ...}")
+    if body.get("stream") is not True:
+        problems.append("stream should be True")
+    if body.get("temperature") != 0:
+        problems.append("temperature should be 0")
+    if problems:
+        return Feedback(False, "Not quite: " + "; ".join(problems) + ".")
+    return Feedback(True, "Correct: the server will stream a greedy reply.")
+
+
+def check_prefix_hit_rate(answer: object, metrics_text: str) -> Feedback:
+    """Lab 02b: the prefix-cache hit rate from a ``/metrics`` scrape (hits / queries)."""
+    totals = {s.name: s.value for f in text_string_to_metric_families(metrics_text)
+              for s in f.samples}
+    hits = totals.get("vllm:prefix_cache_hits_total", 0.0)
+    queries = totals.get("vllm:prefix_cache_queries_total", 0.0)
+    if not queries:
+        return Feedback(False, "The scrape has no prefix-cache queries yet: send requests first.")
+    return check_number(answer, hits / queries, what="prefix cache hit rate", rel_tol=0.01,
+                        mistakes={"divided queries by hits": queries / hits if hits else -1,
+                                  "gave a percentage, not a fraction": 100 * hits / queries})
+
+
+def check_tpot_ms(answer: object, start_s: float, token_times_s: Sequence[float]) -> Feedback:
+    """Lab 02c: TPOT of one request from its send time and token arrival times."""
+    m = RequestMetrics.from_times("exercise", 0, start_s, token_times_s)
+    n = len(token_times_s)
+    mistakes = {"included the first token (TTFT) in the average": m.e2el_ms / n,
+                "divided by the number of tokens instead of tokens - 1":
+                    (m.e2el_ms - m.ttft_ms) / n}
+    return check_number(answer, m.tpot_ms, what="TPOT", unit="ms", rel_tol=0.01,
+                        mistakes=mistakes)
+
+
+def check_goodput(answer: object, ttft_ms: Sequence[float], tpot_ms: Sequence[float],
+                  duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float) -> Feedback:
+    """Lab 02c: requests per second that met both SLOs."""
+    good = sum(t <= slo_ttft_ms and p <= slo_tpot_ms
+               for t, p in zip(ttft_ms, tpot_ms, strict=True))
+    only_ttft = sum(t <= slo_ttft_ms for t in ttft_ms)
+    return check_number(answer, good / duration_s, what="goodput", unit="req/s", rel_tol=0.01,
+                        mistakes={"checked the TTFT SLO only": only_ttft / duration_s,
+                                  "counted all requests (that is throughput)":
+                                      len(ttft_ms) / duration_s,
+                                  "counted good requests, not per second": float(good)})

@@ -1,0 +1,50 @@
+"""Chapter 2 exercise checks and the engine tables."""
+
+from labkit.engine import SamplingParams
+from labkit.engines import ServeConfig, engine_table_markdown, flag_table_markdown
+from labkit.exercises import ch02 as ex
+
+METRICS = """\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{model_name="m"} 400.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="m"} 300.0
+"""
+
+
+def test_stop_params():
+    assert ex.check_stop_params(SamplingParams(temperature=0, max_tokens=20, stop=["."]))
+    feedback = repr(ex.check_stop_params(SamplingParams(max_tokens=16)))
+    assert 'stop should contain "."' in feedback and "max_tokens should be 20" in feedback
+    assert not ex.check_stop_params(None)
+
+
+def test_chat_body():
+    good = {"model": "m", "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]}
+    assert ex.check_chat_body(good, "m")
+    assert "stream should be True" in repr(ex.check_chat_body({**good, "stream": False}, "m"))
+    assert "messages should be" in repr(ex.check_chat_body({**good, "messages": "hi"}, "m"))
+
+
+def test_prefix_hit_rate_from_a_scrape():
+    assert ex.check_prefix_hit_rate(0.75, METRICS)
+    assert "percentage" in repr(ex.check_prefix_hit_rate(75, METRICS))
+    assert "send requests first" in repr(ex.check_prefix_hit_rate(0.5, ""))
+
+
+def test_tpot_and_goodput_by_hand():
+    # TTFT 300 ms, E2EL 450 ms, 4 tokens: TPOT = 150 / 3 = 50 ms.
+    assert ex.check_tpot_ms(50, 10.0, [10.30, 10.34, 10.40, 10.45])
+    assert "first token" in repr(ex.check_tpot_ms(112.5, 10.0, [10.30, 10.34, 10.40, 10.45]))
+    # Requests 1 and 2 meet both SLOs (3 misses TPOT, 4 misses TTFT, 5 is fine): 3 / 2 s.
+    args = ([120, 480, 90, 700, 300], [40, 35, 80, 30, 45], 2.0, 500, 50)
+    assert ex.check_goodput(1.5, *args)
+    assert "TTFT SLO only" in repr(ex.check_goodput(2.0, *args))
+
+
+def test_engine_tables_render_every_engine():
+    table = engine_table_markdown()
+    assert table.splitlines()[0].count("|") == 6 and "TensorRT-LLM" in table
+    flags = flag_table_markdown(ServeConfig(model="m", tensor_parallel_size=2, max_model_len=4096))
+    assert "`--tp-size 2`" in flags and "`--max_seq_len 4096`" in flags
