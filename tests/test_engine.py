@@ -147,3 +147,29 @@ def test_regex_constrained_output_matches(tiny, pattern):
 def test_invalid_regex_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="regex: invalid pattern"):
         LLM(tiny).generate("x", SamplingParams(regex="(unclosed"))
+
+
+def test_qwen2_checkpoint_matches_transformers(tiny, tmp_path):
+    """Qwen2 adds q/k/v biases; a transformers-written checkpoint loads and agrees."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=512, max_position_embeddings=256,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # random, visible biases
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny}/{name}", tmp_path / name)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    engine = LLMEngine(EngineArgs(str(tmp_path), block_size=8, max_num_batched_tokens=16))
+    np.testing.assert_allclose(collect_logits(engine, prompt), expected, atol=1e-4)

@@ -1,0 +1,80 @@
+"""AWQ: activation-aware weight quantization (Lin et al., 2024), in NumPy (chapter 4.2).
+
+A few input channels carry much larger activations than the rest, and the weights they
+multiply matter most. AWQ scales those weight columns up before rounding (so they lose less
+precision) and divides the activations by the same factors, which is exact in full precision:
+``x W^T = (x / s)(W s)^T``. The factor per input channel is ``s = mean|x|^ratio``, normalised,
+with ``ratio`` searched on a grid to minimise the layer's output error on calibration data;
+then a clipping search shrinks each group's range where that helps. In a real model ``1/s`` is
+folded into the previous operation (the RMSNorm weight, or the previous linear layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from labkit.quant.rtn import QuantizedTensor, quantize
+
+
+@dataclass(frozen=True)
+class AWQResult:
+    """The chosen per-input-channel scales, clip ratios and the quantized ``W * s``."""
+
+    scales: np.ndarray          # [in]; divide activations (or fold into the previous op)
+    ratio: float                # the grid point that won
+    clip: np.ndarray            # [out, groups] range shrink per group
+    quantized: QuantizedTensor  # quantization of W * scales
+
+    def dequantize(self) -> np.ndarray:
+        """The effective weight: ``Q(W s) / s``, comparable with the original ``W``."""
+        return self.quantized.dequantize() / self.scales[None, :]
+
+
+def output_error(x: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
+    """Mean squared error of the layer output ``x W^T`` when ``W`` is replaced by ``w_hat``."""
+    return float(np.mean((x @ w.T - x @ w_hat.T) ** 2))
+
+
+def awq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int = 128,
+                 grid: int = 20, search_clip: bool = True,
+                 symmetric: bool = False) -> AWQResult:
+    """Quantize ``w [out, in]`` with AWQ, using calibration activations ``x [tokens, in]``."""
+    w, x = np.asarray(w, np.float32), np.asarray(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
+    x_mean = np.abs(x).mean(axis=0) + 1e-8
+    best = None
+    for ratio in np.arange(grid) / grid:
+        s = x_mean ** ratio
+        s = s / np.sqrt(s.max() * s.min())
+        q = quantize(w * s, bits, symmetric, "group", group_size)
+        err = output_error(x, w, q.dequantize() / s)
+        if best is None or err < best[0]:
+            best = (err, float(ratio), s)
+    _, ratio, s = best
+    clip = (_search_clip(w * s, x / s, bits, group_size, symmetric) if search_clip
+            else np.ones((w.shape[0], w.shape[1] // group_size), np.float32))
+    return AWQResult(s, ratio, clip, quantize(w * s, bits, symmetric, "group", group_size, clip))
+
+
+def _search_clip(w: np.ndarray, x: np.ndarray, bits: int, group_size: int, symmetric: bool,
+                 steps: int = 20, min_ratio: float = 0.5) -> np.ndarray:
+    """Per group, the range shrink in [min_ratio, 1] with the least output error."""
+    out, inp = w.shape
+    groups = inp // group_size
+    xg = x.reshape(len(x), groups, group_size)
+    wg = w.reshape(out, groups, group_size)
+    reference = np.einsum("tgi,ogi->ogt", xg, wg)  # per (row, group) partial outputs
+    best_err = np.full((out, groups), np.inf)
+    best = np.ones((out, groups), np.float32)
+    for ratio in np.linspace(1.0, min_ratio, steps):
+        clip = np.full((out, groups), ratio, np.float32)
+        deq = quantize(w, bits, symmetric, "group", group_size, clip).dequantize()
+        partial = np.einsum("tgi,ogi->ogt", xg, deq.reshape(out, groups, group_size))
+        err = np.mean((partial - reference) ** 2, axis=-1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, ratio, best)
+    return best
