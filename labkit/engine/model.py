@@ -9,7 +9,8 @@ matches ``transformers``' ``LlamaForCausalLM`` on the same weights (a test check
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,19 +63,26 @@ class LlamaModel:
             tensors.append(self.lm_head)
         return sum(t.nbytes for t in tensors)
 
-    def forward(self, batch: Sequence[SequenceBatch]) -> list[np.ndarray]:
-        """Logits ``[new_tokens, vocab]`` for each sequence; writes their K/V to the cache."""
+    def forward(self, batch: Sequence[SequenceBatch],
+                observe: Callable[[str, np.ndarray], None] | None = None) -> list[np.ndarray]:
+        """Logits ``[new_tokens, vocab]`` for each sequence; writes their K/V to the cache.
+
+        ``observe(name, x)``, if given, sees the input of every linear layer (named as in the
+        checkpoint, e.g. ``model.layers.0.mlp.down_proj``): calibration for chapter 4.
+        """
         spec = self.spec
         tokens = np.concatenate([np.asarray(s.token_ids) for s in batch])
         positions = np.concatenate([np.arange(s.start, s.start + len(s.token_ids))
                                     for s in batch])
         cos, sin = self._rope_tables(positions)
         x = self.embed[tokens]
-        for layer, store in zip(self.layers, self.kv, strict=True):
+        for index, (layer, store) in enumerate(zip(self.layers, self.kv, strict=True)):
+            linear = partial(_observed_linear, layer=layer, prefix=f"model.layers.{index}.",
+                             observe=observe)
             h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
-            q = _linear(h, layer, "self_attn.q_proj").reshape(len(x), spec.num_attention_heads, -1)
-            k = _linear(h, layer, "self_attn.k_proj").reshape(len(x), spec.num_kv_heads, -1)
-            v = _linear(h, layer, "self_attn.v_proj").reshape(len(x), spec.num_kv_heads, -1)
+            q = linear(h, "self_attn.q_proj").reshape(len(x), spec.num_attention_heads, -1)
+            k = linear(h, "self_attn.k_proj").reshape(len(x), spec.num_kv_heads, -1)
+            v = linear(h, "self_attn.v_proj").reshape(len(x), spec.num_kv_heads, -1)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             outputs, offset = [], 0
             for seq in batch:
@@ -84,10 +92,10 @@ class LlamaModel:
                                                seq.start + n))
                 offset += n
             attn = np.concatenate(outputs).reshape(len(x), -1).astype(np.float32)
-            x = x + _linear(attn, layer, "self_attn.o_proj")
+            x = x + linear(attn, "self_attn.o_proj")
             h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
-            gate, up = _linear(h, layer, "mlp.gate_proj"), _linear(h, layer, "mlp.up_proj")
-            x = x + _linear(gate / (1 + np.exp(-gate)) * up, layer, "mlp.down_proj")
+            gate, up = linear(h, "mlp.gate_proj"), linear(h, "mlp.up_proj")
+            x = x + linear(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
         logits = _rms_norm(x, self.norm, self.eps) @ self.lm_head.T
         return np.split(logits, np.cumsum([len(s.token_ids) for s in batch])[:-1])
 
@@ -95,6 +103,13 @@ class LlamaModel:
         freqs = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [tokens, 1, head_dim]
         return np.cos(emb), np.sin(emb)
+
+
+def _observed_linear(x: np.ndarray, name: str, *, layer: dict[str, np.ndarray], prefix: str,
+                     observe: Callable[[str, np.ndarray], None] | None) -> np.ndarray:
+    if observe is not None:
+        observe(prefix + name, x)
+    return _linear(x, layer, name)
 
 
 def _linear(x: np.ndarray, layer: dict[str, np.ndarray], name: str) -> np.ndarray:

@@ -11,10 +11,12 @@ import json
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
-           "I32": np.int32, "I8": np.int8, "U8": np.uint8}
+           "I32": np.int32, "I8": np.int8, "U8": np.uint8,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -37,16 +39,26 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{Path(path).name}: tensor {name!r} has unsupported dtype "
                              f"{info['dtype']}")
         array = array.reshape(info["shape"])
-        tensors[name] = array.astype(np.float32) if array.dtype.kind == "f" else array.copy()
+        tensors[name] = array.copy() if array.dtype.kind in "iu" else array.astype(np.float32)
     return tensors
 
 
 def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a model directory, one or several ``.safetensors`` shards."""
+    """All tensors of a model directory, one or several ``.safetensors`` shards.
+
+    Quantized checkpoints in llm-compressor's compressed-tensors formats are dequantized on
+    load (chapter 4): the teaching engine then computes with the quantized weights' values.
+    """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors file in {model_dir}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         tensors.update(load_safetensors(file))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    quant = config.get("quantization_config")
+    if quant:
+        from labkit.engine.dequant import dequantize_compressed_tensors
+
+        tensors = dequantize_compressed_tensors(tensors, quant)
     return tensors

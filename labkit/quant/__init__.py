@@ -6,6 +6,7 @@
 - :func:`gptq_quantize`: second-order error feedback, groups, activation order.
 - :func:`quantize_fp8`: E4M3 / E5M2 with per-tensor, per-channel and per-token scales.
 - :func:`smooth_scales`, :func:`w8a8_output`: SmoothQuant for W8A8.
+- :mod:`labkit.quant.model`: quantize a checkpoint's linear layers; perplexity and logit error.
 """
 
 from labkit.quant.awq import AWQResult, awq_quantize, output_error

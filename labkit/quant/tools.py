@@ -1,0 +1,82 @@
+"""The real tools on the course's tiny model: llm-compressor, on CPU (chapter 4.5).
+
+``llmcompressor_quantize`` runs one of llm-compressor's standard recipes (GPTQ W4A16, AWQ
+W4A16, SmoothQuant + GPTQ W8A8, FP8 dynamic) with ``oneshot`` and saves the compressed-tensors
+checkpoint that vLLM serves directly and the teaching engine dequantizes on load. It needs the
+``ref`` extra (CPU torch, transformers, llm-compressor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+
+SCHEMES = ("gptq-w4a16", "awq-w4a16", "w8a8-smoothquant-gptq", "fp8-dynamic")
+
+#: Calibration text for the tiny model: what matters is that it is text, not its content.
+CALIBRATION_TEXT = (
+    "The key value cache stores one key and one value vector per layer for every token. "
+    "A scheduler batches requests continuously under a token budget. Quantization stores "
+    "weights in fewer bits; calibration data shows which weights matter."
+)
+
+
+def _recipe(scheme: str):
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    ignore = ["lm_head"]
+    return {
+        "gptq-w4a16": lambda: GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore),
+        # AWQ only rescales channels; a quantization modifier after it does the rounding.
+        "awq-w4a16": lambda: [AWQModifier(),
+                              QuantizationModifier(targets="Linear", scheme="W4A16_ASYM",
+                                                   ignore=ignore)],
+        "w8a8-smoothquant-gptq": lambda: [SmoothQuantModifier(smoothing_strength=0.5),
+                                          GPTQModifier(targets="Linear", scheme="W8A8",
+                                                       ignore=ignore)],
+        "fp8-dynamic": lambda: QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC",
+                                                    ignore=ignore),
+    }[scheme]()
+
+
+@contextlib.contextmanager
+def _cpu_awq_workaround():
+    """llm-compressor's AWQ pins host memory, which fails without an accelerator."""
+    from llmcompressor.pipelines import cache
+
+    original = cache.IntermediatesCache.pin_memory
+    cache.IntermediatesCache.pin_memory = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        cache.IntermediatesCache.pin_memory = original
+
+
+def llmcompressor_quantize(model_dir: str | Path, out_dir: str | Path, scheme: str,
+                           calibration_texts: Sequence[str] = (CALIBRATION_TEXT,) * 16,
+                           max_seq_length: int = 64) -> Path:
+    """Quantize ``model_dir`` with an llm-compressor recipe; returns ``out_dir``."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dataset = None
+    if scheme != "fp8-dynamic":  # FP8 dynamic needs no calibration data
+        ids = [tokenizer(t)["input_ids"][:max_seq_length] for t in calibration_texts]
+        dataset = Dataset.from_dict({"input_ids": ids})
+    workaround = _cpu_awq_workaround() if scheme.startswith("awq") else contextlib.nullcontext()
+    with workaround:
+        oneshot(model=model, dataset=dataset, recipe=_recipe(scheme),
+                max_seq_length=max_seq_length, num_calibration_samples=len(calibration_texts))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, save_compressed=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
