@@ -1,4 +1,4 @@
-# make lab   - install what the labs need into .venv and open JupyterLab on labs/
+# make lab   - install what the labs need (.venv, .venv-awq) and open JupyterLab on labs/
 # make book  - install the book tools, execute every page and build book/_build/html strictly
 # make test  - install everything, lint, then run labkit's tests, nbval on every lab and the book build
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
@@ -9,10 +9,11 @@ BIN := $(VENV)/bin
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 ENGINES_VENV ?= .venv-engines
+AWQ_VENV ?= .venv-awq
 VLLM_VERSION ?= 0.33.0
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book test test-engines clean
+.PHONY: lab book test test-engines awq-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,15 +25,23 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 
 comma := ,
 
-lab: $(VENV)/.installed-lab
+lab: $(VENV)/.installed-lab+ref $(AWQ_VENV)/.installed
 	$(BIN)/jupyter lab $(ROOT_FLAG) labs/
 
 book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
 
-test: $(VENV)/.installed-lab+book+test+ref
+test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed
 	$(BIN)/ruff check labkit tests
 	$(BIN)/python -m pytest
+
+# AutoAWQ, the tutorial's quantizer, is deprecated and needs transformers < 4.52: its own venv.
+$(AWQ_VENV)/.installed:
+	$(PYTHON) -m venv $(AWQ_VENV)
+	$(AWQ_VENV)/bin/python -m pip install --quiet torch==2.13.0 "transformers<4.52" autoawq==0.2.9
+	touch $@
+
+awq-env: $(AWQ_VENV)/.installed
 
 # vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
 $(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml
@@ -47,4 +56,4 @@ test-engines: $(ENGINES_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_VENV)/bin/python -m pytest -o addopts=-ra tests/engines
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES_VENV) $(AWQ_VENV) book/_build .pytest_cache .hypothesis

@@ -68,3 +68,9 @@ def test_chapter_3_is_computed_and_cited(built):
     assert "static: 200 steps, continuous: 100 steps" in page   # the tutorial's toy
     assert "references.html#id" in page or "references.html" in page  # citations link out
     assert "Kwon" in (built / "references.html").read_text()         # bibliography rendered
+
+
+def test_chapter_4_comparison_table_is_computed(built):
+    page = (built / "chapters" / "ch04_quantization.html").read_text()
+    assert "Not written yet." not in page and "{glue" not in page
+    assert "AWQ W4A16" in page and "tok/s" in page and page.count("<table") >= 2

@@ -51,3 +51,30 @@ def test_our_awq_agrees_with_llmcompressors_on_the_tiny_model(tiny, tmp_path):
     theirs = logit_error(tiny, llmcompressor_quantize(tiny, tmp_path / "theirs", "awq-w4a16"),
                          held_out)
     assert ours == pytest.approx(theirs, rel=0.15)
+
+
+def test_autoawq_runs_and_its_checkpoint_loads(tiny, tmp_path):
+    """The tutorial's AutoAWQ, in its own environment: its GEMM checkpoint dequantizes to
+    what AutoAWQ's own ``dequantize_gemm`` gives (to float16 rounding)."""
+    import subprocess
+
+    from labkit.quant.tools import autoawq_python, autoawq_quantize
+
+    if not autoawq_python().exists():
+        pytest.fail("no AutoAWQ environment: `make test` builds it (make awq-env)")
+    out = autoawq_quantize(tiny, tmp_path / "autoawq")
+    ours = load_checkpoint(out)["model.layers.0.mlp.down_proj.weight"]
+    script = (
+        "import sys, numpy as np\n"
+        "from safetensors.torch import load_file\n"
+        "from awq.utils.packing_utils import dequantize_gemm\n"
+        "t = load_file(sys.argv[1]); p = 'model.layers.0.mlp.down_proj'\n"
+        "w = dequantize_gemm(t[p + '.qweight'], t[p + '.qzeros'], t[p + '.scales'], 4, 128)\n"
+        "np.save(sys.argv[2], w.float().T.numpy())\n")
+    reference = tmp_path / "reference.npy"
+    subprocess.run([str(autoawq_python()), "-W", "ignore", "-c", script,
+                    str(out / "model.safetensors"), str(reference)], check=True)
+    theirs = np.load(reference)
+    np.testing.assert_allclose(ours, theirs, atol=np.abs(theirs).max() * 2**-10)
+    reply = LLM(str(out)).generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(reply[0].outputs[0].token_ids) == 3

@@ -46,8 +46,8 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a model directory, one or several ``.safetensors`` shards.
 
-    Quantized checkpoints in llm-compressor's compressed-tensors formats are dequantized on
-    load (chapter 4): the teaching engine then computes with the quantized weights' values.
+    Quantized checkpoints (llm-compressor's compressed-tensors formats, AutoAWQ's GEMM format)
+    are dequantized on load (chapter 4): the engine computes with the quantized values.
     """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -58,7 +58,7 @@ def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     quant = config.get("quantization_config")
     if quant:
-        from labkit.engine.dequant import dequantize_compressed_tensors
+        from labkit.engine.dequant import dequantize
 
-        tensors = dequantize_compressed_tensors(tensors, quant)
+        tensors = dequantize(tensors, quant)
     return tensors

@@ -1,14 +1,17 @@
-"""The real tools on the course's tiny model: llm-compressor, on CPU (chapter 4.5).
+"""The real tools on the course's tiny model, on CPU (chapter 4.5).
 
 ``llmcompressor_quantize`` runs one of llm-compressor's standard recipes (GPTQ W4A16, AWQ
 W4A16, SmoothQuant + GPTQ W8A8, FP8 dynamic) with ``oneshot`` and saves the compressed-tensors
-checkpoint that vLLM serves directly and the teaching engine dequantizes on load. It needs the
-``ref`` extra (CPU torch, transformers, llm-compressor).
+checkpoint that vLLM serves directly and the teaching engine dequantizes on load; it needs the
+``ref`` extra. ``autoawq_quantize`` runs the tutorial's AutoAWQ, deprecated upstream, in its own
+environment (``make awq-env``), since it requires an old transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,10 +60,17 @@ def _cpu_awq_workaround():
 
 def llmcompressor_quantize(model_dir: str | Path, out_dir: str | Path, scheme: str,
                            calibration_texts: Sequence[str] = (CALIBRATION_TEXT,) * 16,
-                           max_seq_length: int = 64) -> Path:
+                           max_seq_length: int = 64, verbose: bool = False) -> Path:
     """Quantize ``model_dir`` with an llm-compressor recipe; returns ``out_dir``."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    with _quiet(verbose):
+        return _oneshot(Path(model_dir), Path(out_dir), scheme, calibration_texts,
+                        max_seq_length)
+
+
+def _oneshot(model_dir: Path, out_dir: Path, scheme: str, calibration_texts: Sequence[str],
+             max_seq_length: int) -> Path:
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -76,7 +86,62 @@ def llmcompressor_quantize(model_dir: str | Path, out_dir: str | Path, scheme: s
     with workaround:
         oneshot(model=model, dataset=dataset, recipe=_recipe(scheme),
                 max_seq_length=max_seq_length, num_calibration_samples=len(calibration_texts))
-    out_dir = Path(out_dir)
     model.save_pretrained(out_dir, save_compressed=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """Hide llm-compressor's log lines and progress bars unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    import io
+    import logging
+    import os
+    import warnings
+
+    import llmcompressor  # noqa: F401  (it configures its logger on import: do that first)
+    from loguru import logger
+
+    previous = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    logger.disable("llmcompressor")
+    logger.disable("compressed_tensors")
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+        logger.enable("llmcompressor")
+        logger.enable("compressed_tensors")
+        if previous is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = previous
+
+
+def autoawq_python() -> Path:
+    """The interpreter of the AutoAWQ environment: ``$LABKIT_AUTOAWQ_PYTHON``, else the
+    repository's ``.venv-awq`` (made by ``make awq-env``)."""
+    default = Path(__file__).resolve().parents[2] / ".venv-awq" / "bin" / "python"
+    return Path(os.environ.get("LABKIT_AUTOAWQ_PYTHON", default))
+
+
+def autoawq_quantize(model_dir: str | Path, out_dir: str | Path,
+                     calibration_text: str = CALIBRATION_TEXT) -> Path:
+    """Quantize with AutoAWQ (W4, groups of 128, zero points, GEMM layout); returns ``out_dir``."""
+    python = autoawq_python()
+    if not python.exists():
+        raise FileNotFoundError(f"no AutoAWQ environment at {python}: run `make awq-env`, or "
+                                f"set LABKIT_AUTOAWQ_PYTHON")
+    job = Path(__file__).with_name("autoawq_job.py")
+    # -I: isolated, so the script's folder (labkit/quant, which has an awq.py) is not on the path.
+    result = subprocess.run([str(python), "-I", str(job), str(model_dir), str(out_dir),
+                             calibration_text], capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"AutoAWQ failed:\n{result.stderr[-3000:]}")
+    return Path(out_dir)
