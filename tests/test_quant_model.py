@@ -46,3 +46,22 @@ def test_bad_requests(tiny, tmp_path):
         quantize_checkpoint(tiny, tmp_path / "x", "int3")
     with pytest.raises(ValueError, match="needs calibration"):
         quantize_checkpoint(tiny, tmp_path / "x", "gptq-int4")
+
+
+def test_awq_scaling_folds_exactly_into_the_model(tiny, tmp_path):
+    """Before rounding, AWQ's scales change nothing: the folded model computes the same."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from labkit.engine.weights import load_checkpoint
+    from labkit.quant.model import apply_awq_scales
+
+    weights = load_checkpoint(tiny)
+    before = weights["model.layers.0.input_layernorm.weight"].copy()
+    apply_awq_scales(weights, calibrate(tiny, SEQS[:2]))
+    assert not np.allclose(weights["model.layers.0.input_layernorm.weight"], before)
+    folded = tmp_path / "folded"
+    shutil.copytree(tiny, folded)
+    save_file(weights, str(folded / "model.safetensors"))
+    assert logit_error(tiny, folded, SEQS[2:]) < 1e-5

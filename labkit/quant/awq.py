@@ -11,6 +11,7 @@ folded into the previous operation (the RMSNorm weight, or the previous linear l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,30 +38,45 @@ def output_error(x: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
     return float(np.mean((x @ w.T - x @ w_hat.T) ** 2))
 
 
-def awq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int = 128,
-                 grid: int = 20, search_clip: bool = True,
-                 symmetric: bool = False) -> AWQResult:
-    """Quantize ``w [out, in]`` with AWQ, using calibration activations ``x [tokens, in]``."""
-    w, x = np.asarray(w, np.float32), np.asarray(x, np.float32)
-    if x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
+def search_scales(weights: Sequence[np.ndarray], x: np.ndarray, bits: int = 4,
+                  group_size: int = 128, grid: int = 20,
+                  symmetric: bool = False) -> tuple[np.ndarray, float]:
+    """AWQ's scale search for layers that read the same input ``x [tokens, in]``.
+
+    Layers sharing an input (q, k and v after the attention norm; gate and up after the MLP
+    norm) must share the scales, so that ``1/s`` can be folded into the operation they share.
+    Returns the scales and the winning ratio, chosen by the summed output error.
+    """
+    x = np.asarray(x, np.float32)
+    for w in weights:
+        if x.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
     x_mean = np.abs(x).mean(axis=0) + 1e-8
     best = None
     for ratio in np.arange(grid) / grid:
         s = x_mean ** ratio
         s = s / np.sqrt(s.max() * s.min())
-        q = quantize(w * s, bits, symmetric, "group", group_size)
-        err = output_error(x, w, q.dequantize() / s)
+        err = sum(output_error(x, w, quantize(w * s, bits, symmetric, "group", group_size)
+                               .dequantize() / s) for w in weights)
         if best is None or err < best[0]:
-            best = (err, float(ratio), s)
-    _, ratio, s = best
-    clip = (_search_clip(w * s, x / s, bits, group_size, symmetric) if search_clip
+            best = (err, float(ratio), s.astype(np.float32))
+    return best[2], best[1]
+
+
+def awq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int = 128,
+                 grid: int = 20, search_clip: bool = True,
+                 symmetric: bool = False) -> AWQResult:
+    """Quantize one layer ``w [out, in]`` with AWQ, on calibration activations ``x``."""
+    w, x = np.asarray(w, np.float32), np.asarray(x, np.float32)
+    s, ratio = search_scales([w], x, bits, group_size, grid, symmetric)
+    clip = (search_clip_ratios(w * s, x / s, bits, group_size, symmetric) if search_clip
             else np.ones((w.shape[0], w.shape[1] // group_size), np.float32))
     return AWQResult(s, ratio, clip, quantize(w * s, bits, symmetric, "group", group_size, clip))
 
 
-def _search_clip(w: np.ndarray, x: np.ndarray, bits: int, group_size: int, symmetric: bool,
-                 steps: int = 20, min_ratio: float = 0.5) -> np.ndarray:
+def search_clip_ratios(w: np.ndarray, x: np.ndarray, bits: int, group_size: int,
+                       symmetric: bool = False, steps: int = 20,
+                       min_ratio: float = 0.5) -> np.ndarray:
     """Per group, the range shrink in [min_ratio, 1] with the least output error."""
     out, inp = w.shape
     groups = inp // group_size

@@ -21,7 +21,7 @@ import numpy as np
 
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.weights import load_checkpoint
-from labkit.quant.awq import awq_quantize
+from labkit.quant.awq import search_clip_ratios, search_scales
 from labkit.quant.fp8 import quantize_fp8
 from labkit.quant.gptq import gptq_quantize
 from labkit.quant.rtn import quantize
@@ -68,6 +68,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
         raise ValueError(f"{method} needs calibration sequences")
     weights = load_checkpoint(model_dir)
     inputs = calibrate(model_dir, calibration) if calibration else {}
+    if method == "awq-int4":
+        apply_awq_scales(weights, inputs, group_size)
     for name in [n for n in weights if n.endswith("_proj.weight") and ".layers." in n]:
         w, layer = weights[name], name[: -len(".weight")]
         if method == "rtn-int8":
@@ -75,7 +77,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
         elif method == "rtn-int4":
             weights[name] = quantize(w, 4, False, "group", group_size).dequantize()
         elif method == "awq-int4":
-            weights[name] = awq_quantize(w, inputs[layer], 4, group_size).dequantize()
+            clip = search_clip_ratios(w, inputs[layer], 4, group_size)
+            weights[name] = quantize(w, 4, False, "group", group_size, clip).dequantize()
         elif method == "gptq-int4":
             weights[name] = gptq_quantize(w, inputs[layer], 4, group_size).weight
         else:
@@ -91,6 +94,39 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
     config["labkit_fake_quantization"] = method
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def apply_awq_scales(weights: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+                     group_size: int = 128) -> None:
+    """AWQ's scaling, folded into the model in place: exact before any rounding.
+
+    Each group of layers reading one input gets shared scales ``s``: their weights' input
+    columns are multiplied by ``s`` and ``1/s`` goes into what produced the input: the RMSNorm
+    weight for q/k/v and for gate/up, the rows of up_proj for down_proj (the MLP multiplies by
+    up's output), and the rows of v_proj for o_proj when their shapes match (with grouped-query
+    attention they do not, and AWQ skips that pair). ``inputs`` are rescaled to match.
+    """
+    layers = sorted({int(n.split(".")[2]) for n in weights if n.startswith("model.layers.")})
+    for i in layers:
+        p = f"model.layers.{i}."
+        groups = [(p + "input_layernorm.weight", [p + "self_attn.q_proj", p + "self_attn.k_proj",
+                                                  p + "self_attn.v_proj"]),
+                  (p + "post_attention_layernorm.weight", [p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                  (p + "mlp.up_proj.weight", [p + "mlp.down_proj"])]
+        v, o = weights[p + "self_attn.v_proj.weight"], weights[p + "self_attn.o_proj.weight"]
+        if v.shape == o.shape:
+            groups.append((p + "self_attn.v_proj.weight", [p + "self_attn.o_proj"]))
+        for previous, readers in groups:
+            x = inputs[readers[0]]
+            s, _ = search_scales([weights[r + ".weight"] for r in readers], x, 4, group_size)
+            for r in readers:
+                weights[r + ".weight"] = weights[r + ".weight"] * s[None, :]
+                inputs[r] = x / s
+            prev = weights[previous]
+            weights[previous] = prev / s if prev.ndim == 1 else prev / s[:, None]
+            bias = previous.replace(".weight", ".bias")
+            if bias in weights:
+                weights[bias] = weights[bias] / s
 
 
 def perplexity(model_dir: str | Path, sequences: Sequence[Sequence[int]]) -> float:
