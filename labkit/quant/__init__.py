@@ -9,8 +9,8 @@
 - :mod:`labkit.quant.model`: quantize a checkpoint's linear layers; perplexity and logit error.
 """
 
-from labkit.quant.awq import (AWQResult, awq_quantize, output_error, search_clip_ratios,
-                              search_scales)
+from labkit.quant.awq import (AWQResult, awq_quantize, output_error, ratio_errors,
+                              search_clip_ratios, search_scales)
 from labkit.quant.fp8 import FP8Tensor, fp8_max, quantize_fp8
 from labkit.quant.gptq import GPTQResult, gptq_quantize
 from labkit.quant.rtn import QuantizedTensor, pack_int4, quantize, unpack_int4
@@ -18,5 +18,5 @@ from labkit.quant.smoothquant import smooth_scales, w8a8_output
 
 __all__ = ["AWQResult", "FP8Tensor", "GPTQResult", "QuantizedTensor", "awq_quantize",
            "fp8_max", "gptq_quantize", "output_error", "pack_int4", "quantize", "quantize_fp8",
-           "search_clip_ratios", "search_scales", "smooth_scales", "unpack_int4",
+           "ratio_errors", "search_clip_ratios", "search_scales", "smooth_scales", "unpack_int4",
            "w8a8_output"]

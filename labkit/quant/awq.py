@@ -38,6 +38,25 @@ def output_error(x: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
     return float(np.mean((x @ w.T - x @ w_hat.T) ** 2))
 
 
+def ratio_errors(weights: Sequence[np.ndarray], x: np.ndarray, bits: int = 4,
+                 group_size: int = 128, grid: int = 20,
+                 symmetric: bool = False) -> list[tuple[float, float, np.ndarray]]:
+    """For each grid ratio: ``(ratio, summed output error, scales)``; ratio 0 is plain RTN."""
+    x = np.asarray(x, np.float32)
+    for w in weights:
+        if x.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
+    x_mean = np.abs(x).mean(axis=0) + 1e-8
+    results = []
+    for ratio in np.arange(grid) / grid:
+        s = x_mean ** ratio
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        err = sum(output_error(x, w, quantize(w * s, bits, symmetric, "group", group_size)
+                               .dequantize() / s) for w in weights)
+        results.append((float(ratio), err, s))
+    return results
+
+
 def search_scales(weights: Sequence[np.ndarray], x: np.ndarray, bits: int = 4,
                   group_size: int = 128, grid: int = 20,
                   symmetric: bool = False) -> tuple[np.ndarray, float]:
@@ -47,20 +66,9 @@ def search_scales(weights: Sequence[np.ndarray], x: np.ndarray, bits: int = 4,
     norm) must share the scales, so that ``1/s`` can be folded into the operation they share.
     Returns the scales and the winning ratio, chosen by the summed output error.
     """
-    x = np.asarray(x, np.float32)
-    for w in weights:
-        if x.ndim != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
-    x_mean = np.abs(x).mean(axis=0) + 1e-8
-    best = None
-    for ratio in np.arange(grid) / grid:
-        s = x_mean ** ratio
-        s = s / np.sqrt(s.max() * s.min())
-        err = sum(output_error(x, w, quantize(w * s, bits, symmetric, "group", group_size)
-                               .dequantize() / s) for w in weights)
-        if best is None or err < best[0]:
-            best = (err, float(ratio), s.astype(np.float32))
-    return best[2], best[1]
+    ratio, _, s = min(ratio_errors(weights, x, bits, group_size, grid, symmetric),
+                      key=lambda r: r[1])
+    return s, ratio
 
 
 def awq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int = 128,
