@@ -76,10 +76,10 @@ class LLMEngine:
         config = json.loads((model_dir / "config.json").read_text())
         spec = ModelSpec.from_hf_config(config)
         self.max_model_len = args.max_model_len or spec.max_position_embeddings or 2048
+        # The cache is sized from the loaded weights' bytes, so it is allocated after loading.
         self.model = LlamaModel.load(model_dir, num_blocks=1, block_size=args.block_size)
         self.num_gpu_blocks = self._size_kv_cache(spec)
-        self.model.kv = [type(store)(self.num_gpu_blocks, args.block_size, spec.num_kv_heads,
-                                     spec.head_dim) for store in self.model.kv]
+        self.model.allocate_kv_cache(self.num_gpu_blocks, args.block_size)
         self.tokenizer = Tokenizer(model_dir)
         self._token_texts: list[str] | None = None  # for regex constraints, built on first use
         self.kv_cache = KVCacheManager(self.num_gpu_blocks, args.block_size,

@@ -46,6 +46,10 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.layers = [{key.split(f"layers.{i}.", 1)[1]: value for key, value in weights.items()
                         if f"layers.{i}." in key} for i in range(self.spec.num_layers)]
+        self.allocate_kv_cache(num_blocks, block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """(Re)create one paged K/V store per layer, e.g. once the engine has sized the cache."""
         self.kv = [PagedKVStore(num_blocks, block_size, self.spec.num_kv_heads,
                                 self.spec.head_dim) for _ in range(self.spec.num_layers)]
 
