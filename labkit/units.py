@@ -17,3 +17,12 @@ def to_gib(num_bytes: float) -> float:
 def to_gb(num_bytes: float) -> float:
     """Bytes to GB (10**9 bytes)."""
     return num_bytes / GB
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` for integers: e.g. blocks needed for ``a`` tokens of ``b`` each.
+
+    vLLM calls it ``cdiv`` too. ``-(-a // b)`` stays exact for any size, where
+    ``math.ceil(a / b)`` would round through a float.
+    """
+    return -(-a // b)
