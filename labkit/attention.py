@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from labkit.units import cdiv
+
 
 class PagedKVStore:
     """The K and V block pools of one attention layer."""
@@ -39,6 +41,13 @@ class PagedKVStore:
         self.k[blocks, offsets] = k
         self.v[blocks, offsets] = v
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst``: copy-on-write of a forked sequence's last,
+        partly filled block (chapter 3.1), so each fork can append to its own copy."""
+        for src, dst in copies:
+            self.k[dst] = self.k[src]
+            self.v[dst] = self.v[src]
+
     def gather(self, block_table: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
         """K and V of the first ``length`` tokens of a sequence, ``[length, heads, dim]``."""
         blocks, offsets = self.slots(block_table, 0, length)
@@ -55,10 +64,8 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     """
     n, heads, dim = q.shape
     ctx, kv_heads, _ = k.shape
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    group = _gqa_group(heads, kv_heads)
     q_start = ctx - n if q_start is None else q_start
-    group = heads // kv_heads
     k = np.repeat(k, group, axis=1)  # [ctx, heads, dim]
     v = np.repeat(v, group, axis=1)
     scores = np.einsum("nhd,chd->hnc", q, k) / np.sqrt(dim)
@@ -80,18 +87,15 @@ def paged_attention(q: np.ndarray, store: PagedKVStore, block_table: Sequence[in
     whenever ``m`` grows.
     """
     n, heads, dim = q.shape
-    kv_heads = store.k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    group, bs = _gqa_group(heads, store.k.shape[2]), store.block_size
     if not 1 <= n <= context_len:
         raise ValueError(f"need 1 <= len(q) <= context_len, got {n} and {context_len}")
-    group, bs = heads // kv_heads, store.block_size
     q_pos = context_len - n + np.arange(n)
     qh = q.transpose(1, 0, 2) / np.sqrt(dim)  # [heads, n, dim]
     running_max = np.full((heads, n), -np.inf)
     denom = np.zeros((heads, n))
     acc = np.zeros((heads, n, dim))
-    for i in range(-(-context_len // bs)):
+    for i in range(cdiv(context_len, bs)):
         start = i * bs
         length = min(bs, context_len - start)
         k = np.repeat(store.k[block_table[i], :length], group, axis=1).transpose(1, 2, 0)
@@ -106,3 +110,10 @@ def paged_attention(q: np.ndarray, store: PagedKVStore, block_table: Sequence[in
         acc = acc * rescale[..., None] + p @ v
         running_max = new_max
     return (acc / denom[..., None]).transpose(1, 0, 2)
+
+
+def _gqa_group(heads: int, kv_heads: int) -> int:
+    """Query heads per KV head (grouped-query attention); they must divide evenly."""
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    return heads // kv_heads

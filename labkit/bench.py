@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from labkit.simulate.metrics import BenchmarkResult, RequestMetrics, summarize_metrics
+from labkit.checks import in_range, positive_int
+from labkit.simulate.metrics import BenchmarkResult, RequestLatencies, summarize_latencies
 from labkit.simulate.workload import arrival_times
 
 _WORDS = ("the cache holds keys and values for every token of every sequence while the "
@@ -38,8 +39,7 @@ class BenchRequest:
 def random_dataset(num_prompts: int, input_words: int, output_len: int,
                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
     """Random prompts of about ``input_words`` words (uniform within ``range_ratio``)."""
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    in_range("range_ratio", range_ratio, 0, 1, high_open=True)
     rng = np.random.default_rng(seed)
     low = max(1, round(input_words * (1 - range_ratio)))
     high = round(input_words * (1 + range_ratio))
@@ -59,7 +59,7 @@ def shared_prefix_dataset(num_prompts: int, prefix_words: int, suffix_words: int
 
 
 async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
-               index: int) -> RequestMetrics | None:
+               index: int) -> RequestLatencies | None:
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -77,7 +77,7 @@ async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
                 token_times.append(time.perf_counter())
     if not token_times:
         return None
-    return RequestMetrics.from_times(f"bench-{index}", prompt_tokens, start, token_times)
+    return RequestLatencies.from_times(f"bench-{index}", prompt_tokens, start, token_times)
 
 
 async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchRequest],
@@ -86,8 +86,8 @@ async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchReq
                           slos_ms: Mapping[str, float] | None = None,
                           progress: bool = False) -> BenchmarkResult:
     """Send ``requests`` to ``base_url`` and summarize what was measured."""
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if max_concurrency is not None:
+        positive_int("max_concurrency", max_concurrency)
     from tqdm.auto import tqdm
 
     gate = asyncio.Semaphore(max_concurrency or len(requests) or 1)
@@ -108,7 +108,7 @@ async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchReq
         duration = time.perf_counter() - start
     bar.close()
     completed = [r for r in results if r is not None]
-    return summarize_metrics(completed, duration, slos_ms)
+    return summarize_latencies(completed, duration, slos_ms)
 
 
 def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],

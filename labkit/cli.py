@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from labkit.engine.llm_engine import EngineArgs
@@ -34,6 +35,12 @@ def serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--device-memory-gib", type=float, default=defaults.device_memory_gib,
                    help="memory of the simulated device the KV cache is sized against")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $VLLM_API_KEY, as vLLM)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse request bodies larger than this with HTTP 413 "
+                        "(default: 4 MiB)")
     return p
 
 
@@ -59,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(write_tiny_model(ns.path))
         return 0
+    return serve(ns)
+
+
+def serve(ns: argparse.Namespace) -> int:
+    """Start the engine, then the HTTP server; returns the process exit status."""
     import uvicorn
 
     from labkit.engine.async_engine import AsyncLLMEngine
@@ -69,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"labkit serve: {err}", file=sys.stderr)
         return 2
+    api_key = ns.api_key or os.environ.get("VLLM_API_KEY")
+    limits = {} if ns.max_request_bytes is None else {"max_request_bytes": ns.max_request_bytes}
+    app = build_app(engine, api_key=api_key, **limits)
     try:
-        uvicorn.run(build_app(engine), host=ns.host, port=ns.port, log_level="warning")
+        # A bounded graceful shutdown: SIGTERM stops the process even with clients attached.
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning",
+                    timeout_graceful_shutdown=2)
     finally:
         engine.shutdown()
     return 0

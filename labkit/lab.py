@@ -11,12 +11,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-ENGINES = ("vllm", "sglang", "tensorrt_llm")
+#: The real engines a lab can run, by the name used across labkit (``labkit.launch``), each
+#: with the Python package that provides it.
+ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 
 
 @dataclass(frozen=True)
 class LabPath:
-    """What this machine offers a lab: GPUs by name and the engines installed."""
+    """What this machine offers a lab: GPUs by name and the engines installed (by name)."""
 
     gpus: tuple[str, ...]
     engines: tuple[str, ...]
@@ -32,14 +34,16 @@ class LabPath:
             return f"CPU path: this lab computes everything on the CPU ({gpus} found)."
         if self.uses(engine):
             return f"GPU path: {engine} on {gpus}."
-        missing = "no CUDA GPU" if not self.gpus else f"{engine} is not installed"
+        missing = ("no CUDA GPU" if not self.gpus
+                   else f"{ENGINE_PACKAGES.get(engine, engine)} is not installed")
         return f"CPU path: labkit's teaching engine stands in for {engine} ({missing})."
 
 
 def detect() -> LabPath:
     """Look at this machine once: GPUs from ``nvidia-smi``, engines from installed packages."""
     return LabPath(gpus=_cuda_gpus(), engines=tuple(
-        e for e in ENGINES if importlib.util.find_spec(e) is not None))
+        name for name, package in ENGINE_PACKAGES.items()
+        if importlib.util.find_spec(package) is not None))
 
 
 def _cuda_gpus() -> tuple[str, ...]:

@@ -16,20 +16,21 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from labkit.attention import dense_attention
-from labkit.hardware import decode_step, get_gpu, get_model
+from labkit.checks import in_range, positive_int
+from labkit.hardware import decode_step, get_gpu, get_model, kv_heads_per_rank, tp_shard
 from labkit.hardware.gpus import GPU
 from labkit.hardware.models import ModelSpec
 
 
 def split_columns(w: np.ndarray, tp: int) -> list[np.ndarray]:
     """Cut ``w`` ``[in, out]`` into ``tp`` column blocks (column-parallel)."""
-    _check_divides(w.shape[1], tp, "output width")
+    tp_shard(w.shape[1], tp, "the output width", param="tp")
     return np.split(w, tp, axis=1)
 
 
 def split_rows(w: np.ndarray, tp: int) -> list[np.ndarray]:
     """Cut ``w`` ``[in, out]`` into ``tp`` row blocks (row-parallel)."""
-    _check_divides(w.shape[0], tp, "input width")
+    tp_shard(w.shape[0], tp, "the input width", param="tp")
     return np.split(w, tp, axis=0)
 
 
@@ -99,12 +100,9 @@ def tensor_parallel_attention(x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv:
                               tp: int) -> list[np.ndarray]:
     """Attention split by heads: rank ``r`` owns ``num_heads / tp`` query heads and their KV
     heads (replicated when ``tp > num_kv_heads``); ``wo`` is row-parallel; one all-reduce."""
-    _check_divides(num_heads, tp, "num_heads")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"tp ({tp}) and num_kv_heads ({num_kv_heads}) must divide one another")
+    heads = tp_shard(num_heads, tp, "num_heads", param="tp")
+    kv_heads = kv_heads_per_rank(num_kv_heads, tp, param="tp")
     dim = wq.shape[1] // num_heads
-    heads = num_heads // tp
-    kv_heads = max(1, num_kv_heads // tp)
     outputs = []
     for r in range(tp):
         q_cols = slice(r * heads * dim, (r + 1) * heads * dim)
@@ -125,20 +123,28 @@ def attention_heads(x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarra
     return dense_attention(q, k, v).reshape(t, num_heads * dim)
 
 
+def ring_all_reduce_bytes(num_bytes: float, tp: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``num_bytes`` per rank:
+    ``2 (p-1)`` steps (reduce-scatter, then all-gather) each moving ``num_bytes / p``, so
+    ``2 (p-1) / p`` times the buffer, nearly twice it on many ranks (chapter 3.4)."""
+    positive_int("tp", tp)
+    in_range("num_bytes", num_bytes, 0)
+    return 2 * (tp - 1) * num_bytes / tp
+
+
 def ring_all_reduce_s(num_bytes: float, tp: int, link_gb_s: float,
                       latency_s: float = 0.0) -> float:
     """Time of a ring all-reduce of ``num_bytes`` per rank over links of ``link_gb_s``
-    (GB/s per direction): ``2 (p-1)`` steps each moving ``num_bytes / p``.
+    (GB/s per direction): :func:`ring_all_reduce_bytes` over the link, plus ``latency_s`` for
+    each of the ``2 (p-1)`` steps.
 
     ``latency_s`` is the fixed cost of one step (launch and synchronisation); it dominates
     the small messages of decode. It is a parameter, not a measurement: measure yours.
     """
-    if tp < 1 or num_bytes < 0 or link_gb_s <= 0 or latency_s < 0:
-        raise ValueError("need tp >= 1, num_bytes >= 0, link_gb_s > 0, latency_s >= 0")
-    if tp == 1:
-        return 0.0
-    steps = 2 * (tp - 1)
-    return steps * (num_bytes / tp / (link_gb_s * 1e9) + latency_s)
+    in_range("link_gb_s", link_gb_s, 0, low_open=True)
+    in_range("latency_s", latency_s, 0)
+    sent = ring_all_reduce_bytes(num_bytes, tp)
+    return sent / (link_gb_s * 1e9) + 2 * (tp - 1) * latency_s
 
 
 def link_gb_s_per_direction(gpu: GPU | str) -> float:
@@ -146,11 +152,22 @@ def link_gb_s_per_direction(gpu: GPU | str) -> float:
     return get_gpu(gpu).interconnect_gb_s / 2
 
 
+#: All-reduces per decoder layer in the Megatron split: after attention's output projection
+#: and after the MLP's down projection.
+ALLREDUCES_PER_LAYER = 2
+
+
+def allreduce_bytes(model: ModelSpec | str, num_tokens: int, act_bytes: int = 2) -> int:
+    """Bytes of one all-reduce in a decoder layer: ``num_tokens`` rows of the hidden state
+    (chapter 3.4)."""
+    return num_tokens * get_model(model).hidden_size * act_bytes
+
+
 def allreduce_bytes_per_layer(model: ModelSpec | str, num_tokens: int,
                               act_bytes: int = 2) -> int:
     """Bytes each rank all-reduces per decoder layer: ``num_tokens`` rows of the hidden
     state after attention and again after the MLP."""
-    return 2 * num_tokens * get_model(model).hidden_size * act_bytes
+    return ALLREDUCES_PER_LAYER * allreduce_bytes(model, num_tokens, act_bytes)
 
 
 @dataclass(frozen=True)
@@ -173,12 +190,13 @@ def tp_decode_scaling(model: ModelSpec | str, gpu: GPU | str, tp_sizes: Sequence
     all-reduces per layer, not overlapped (an upper bound on what communication costs)."""
     spec = get_model(model)
     link = link_gb_s_per_direction(gpu)
-    message = batch_size * spec.hidden_size * 2  # one BF16 activation row per sequence
+    message = allreduce_bytes(spec, batch_size)  # one BF16 activation row per sequence
     steps = []
     for tp in tp_sizes:
         bound = decode_step(spec, gpu, batch_size, context_len, weight_dtype,
                             tensor_parallel_size=tp)
-        comm = spec.num_layers * 2 * ring_all_reduce_s(message, tp, link, latency_s)
+        comm = (spec.num_layers * ALLREDUCES_PER_LAYER
+                * ring_all_reduce_s(message, tp, link, latency_s))
         steps.append(TPStep(tp, bound.time_s, comm))
     return steps
 
@@ -199,8 +217,3 @@ def plot_tp_scaling(steps: Sequence[TPStep], ax=None, label: str = ""):
     ax.set_title(label, fontsize="medium")
     ax.legend(fontsize="small")
     return ax
-
-
-def _check_divides(size: int, tp: int, what: str) -> None:
-    if not isinstance(tp, int) or tp < 1 or size % tp:
-        raise ValueError(f"tp must be a positive integer dividing the {what} ({size}), got {tp!r}")

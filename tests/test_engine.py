@@ -90,10 +90,16 @@ def test_sampler():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"temperature": -1}, r"temperature must be in \[0, inf\)"),
+    ({"temperature": float("nan")}, "temperature must be in"),
+    ({"seed": 2**64}, "seed must be an integer"),
+    ({"n": 0}, "n must be a positive integer"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be at most max_tokens"),
+    ({"logprobs": 21}, "logprobs must be at most 20"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
     ({"top_p": 0}, "top_p must be in"),
     ({"top_k": -5}, "top_k must be -1"),
-    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"max_tokens": 0}, "max_tokens must be a positive integer"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -173,3 +179,71 @@ def test_qwen2_checkpoint_matches_transformers(tiny, tmp_path):
         expected = model(torch.tensor([prompt])).logits[0].numpy()
     engine = LLMEngine(EngineArgs(str(tmp_path), block_size=8, max_num_batched_tokens=16))
     np.testing.assert_allclose(collect_logits(engine, prompt), expected, atol=1e-4)
+
+
+def test_n_choices_fork_the_prompt_blocks_and_equal_greedy(tiny):
+    """n > 1: the prompt is prefilled once and its full blocks are shared (reference counts
+    of n), the partly filled last block is copied, and at temperature 0 every choice is the
+    greedy completion."""
+    engine = LLMEngine(EngineArgs(tiny, block_size=4))
+    prompt = list(range(3, 13))  # 10 tokens: two full blocks and a partial one
+    greedy = LLM(tiny, block_size=4).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    engine.add_request(prompt, SamplingParams(n=3, temperature=0, max_tokens=6,
+                                              ignore_eos=True), "r")
+    engine.step()  # prefill of choice 0, then the fork
+    kv = engine.kv_cache
+    tables = [kv.get_block_ids(f"{i}_r") for i in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert [kv.block_pool.blocks[b].ref_cnt for b in tables[0][:2]] == [3, 3]
+    assert len({t[2] for t in tables}) == 3               # the partial block, copied
+    assert kv.block_pool.num_free_blocks == kv.num_blocks - 5
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    assert all(c.token_ids == greedy.outputs[0].token_ids for c in final.outputs)
+    assert kv.block_pool.num_free_blocks == kv.num_blocks and not engine.groups
+
+
+def test_seeded_choices_differ_and_repeat(tiny):
+    llm = LLM(tiny)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    first = [c.text for c in llm.generate("Hello", params)[0].outputs]
+    again = [c.text for c in llm.generate("Hello", params)[0].outputs]
+    assert first == again and len(set(first)) > 1
+    # Choice i uses seed + i, as vLLM: choice 1 of seed 11 is choice 0 of seed 12.
+    alone = llm.generate("Hello", SamplingParams(temperature=1.0, seed=12, max_tokens=8,
+                                                 ignore_eos=True))[0].outputs[0].text
+    assert alone == first[1]
+
+
+def test_a_constraint_dead_end_fails_only_its_request(tiny):
+    """A pattern the model's tokens cannot complete: that request ends with an error, the
+    one beside it finishes normally, and no block is lost."""
+    engine = LLMEngine(EngineArgs(tiny))
+    bad = engine.add_request("Hello", SamplingParams(regex=r"a\u00e9{3}", max_tokens=8))
+    good = engine.add_request("Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[bad].outputs[0].finish_reason == "error"
+    assert finished[bad].error.param == "regex"
+    assert finished[good].outputs[0].finish_reason == "length"
+    assert engine.kv_cache.block_pool.num_free_blocks == engine.num_gpu_blocks
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(tiny):
+    engine = LLMEngine(EngineArgs(tiny, block_size=4))
+    prompt = list(range(3, 20))
+    llm_params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    outputs = [LLM.__new__(LLM)]  # reuse the engine through the offline API
+    outputs[0].llm_engine = engine
+    first = outputs[0].generate([prompt], llm_params)[0]
+    second = outputs[0].generate([prompt], llm_params)[0]
+    assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == len(prompt)
+    assert second.num_cached_tokens == 0
+    assert [next(iter(e)) for e in second.prompt_logprobs[1:]] == prompt[1:]
+    for a, b in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:], strict=True):
+        assert a[next(iter(a))].logprob == pytest.approx(b[next(iter(b))].logprob, abs=1e-6)

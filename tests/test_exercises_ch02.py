@@ -1,8 +1,8 @@
 """Chapter 2 exercise checks and the engine tables."""
 
 from labkit.engine import SamplingParams
-from labkit.engines import ServeConfig, engine_table_markdown, flag_table_markdown
 from labkit.exercises import ch02 as ex
+from labkit.launch import ServeConfig, engine_table_markdown, flag_table_markdown
 
 METRICS = """\
 # TYPE vllm:prefix_cache_queries counter

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 from labkit.hardware import (
     DoesNotFitError,
     ModelSpec,
+    check_sequence_fits,
+    num_kv_blocks,
     plan_kv_cache,
     preset_names,
     vllm_batch_defaults,
@@ -27,6 +29,25 @@ def test_llama3_8b_on_h100_by_hand():
     assert plan.max_concurrency == pytest.approx(28507 / 512)
 
 
+def test_whole_blocks_of_what_is_left():
+    # 100 bytes, 30 of weights, 20 of activations, 5 of overhead: 45 left, 4 blocks of 10.
+    assert num_kv_blocks(100, weights_bytes=30, activations_bytes=20, overhead_bytes=5,
+                         block_bytes=10) == 4
+    assert num_kv_blocks(100, weights_bytes=90, activations_bytes=20, block_bytes=10) == 0
+    plan = plan_kv_cache("Llama-3-8B", "H100 SXM", max_model_len=8192)
+    assert plan.num_gpu_blocks == num_kv_blocks(
+        plan.budget_gib * GiB, weights_bytes=plan.weights_gib * GiB,
+        activations_bytes=plan.activations_gib * GiB, overhead_bytes=plan.overhead_gib * GiB,
+        block_bytes=plan.block_bytes)
+
+
+def test_a_sequence_that_can_never_fit():
+    check_sequence_fits(32, num_blocks=2, block_size=16, what="x")  # exactly 2 blocks
+    with pytest.raises(DoesNotFitError, match="needs 3 blocks of 16 tokens, more than the "
+                                              r"cache's 2 blocks \(only 32 tokens fit\)"):
+        check_sequence_fits(33, num_blocks=2, block_size=16, what="request 'a'")
+
+
 def test_batch_defaults_follow_vllm():
     assert vllm_batch_defaults("H100 SXM") == (8192, 1024)
     assert vllm_batch_defaults("H200 SXM", offline=True) == (16384, 1024)
@@ -41,8 +62,9 @@ def test_max_model_len_defaults_to_model_context():
 def test_too_big_model_fails_like_vllm():
     with pytest.raises(DoesNotFitError, match="No available memory for the cache blocks"):
         plan_kv_cache("Llama-3-70B", "H100 SXM")
-    with pytest.raises(DoesNotFitError, match="max_model_len=131072 needs 8192 blocks"):
+    with pytest.raises(DoesNotFitError, match="max_model_len=131072 needs 8192 blocks") as err:
         plan_kv_cache("Llama-3-8B", "L4", max_model_len=131072)
+    assert err.value.param == "max_model_len"
 
 
 def test_fp8_kv_cache_doubles_blocks():

@@ -2,8 +2,15 @@
 
 import pytest
 
-from labkit.kvcache import (BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager,
+from labkit.kvcache import (BlockHasher, BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager,
                             hash_request_blocks, memory_waste)
+from labkit.scheduling import Request, Scheduler, SchedulerConfig
+
+
+def lookup(kv, token_ids):
+    """The manager's cached prefix for ``token_ids``, hashed the way the manager hashes."""
+    return kv.get_computed_blocks(
+        hash_request_blocks(token_ids, kv.block_size, kv.block_hasher.hash_fn), len(token_ids))
 
 
 def test_free_queue_pops_head_appends_tail_removes_middle():
@@ -25,14 +32,26 @@ def test_chained_hash_depends_on_the_whole_prefix():
     assert hash_request_blocks([1, 2, 3], 4) == []  # no full block
 
 
+def test_hasher_extends_a_list_block_by_block():
+    hasher, hashes, tokens = BlockHasher(4), [], [1, 2, 3]
+    hasher.extend(hashes, tokens)
+    assert hashes == []
+    tokens += [4, 5]
+    hasher.extend(hashes, tokens)
+    first = hashes[0]
+    tokens += [6, 7, 8, 9]
+    hasher.extend(hashes, tokens)
+    assert hashes[0] is first and hashes == hash_request_blocks(tokens, 4)
+
+
 def test_prefix_hit_never_covers_the_whole_prompt():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     prompt = list(range(8))                       # exactly two full blocks
     kv.allocate_slots("a", prompt, 8)
     kv.free("a")
-    blocks, hit = kv.get_computed_blocks(prompt)
+    blocks, hit = lookup(kv, prompt)
     assert hit == 4 and len(blocks) == 1          # the last token must be recomputed
-    blocks, hit = kv.get_computed_blocks(prompt + [99])
+    blocks, hit = lookup(kv, prompt + [99])
     assert hit == 8
 
 
@@ -40,11 +59,11 @@ def test_freed_blocks_keep_their_hash_until_reused():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate_slots("a", [1, 2, 3, 4, 5], 5)   # blocks 0, 1 full and cached; 2 partial
     kv.free("a")
-    assert kv.get_computed_blocks([1, 2, 3, 4, 5])[1] == 4
+    assert lookup(kv, [1, 2, 3, 4, 5])[1] == 4
     kv.allocate_slots("b", list(range(10, 18)), 8)   # needs all 4 blocks: evicts the cache
     assert kv.block_pool.num_evictions == 2
     kv.free("b")
-    assert kv.get_computed_blocks([1, 2, 3, 4, 5])[1] == 0
+    assert lookup(kv, [1, 2, 3, 4, 5])[1] == 0
 
 
 def test_eviction_order_is_lru_and_tail_first():
@@ -60,7 +79,7 @@ def test_cache_hit_on_a_free_block_revives_it():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate_slots("a", [1, 2, 3], 3)
     kv.free("a")
-    blocks, hit = kv.get_computed_blocks([1, 2, 3])
+    blocks, hit = lookup(kv, [1, 2, 3])
     new = kv.allocate_slots("b", [1, 2, 3], 3 - hit, blocks)
     assert blocks[0].ref_cnt == 1 and len(new) == 1
     assert kv.block_pool.num_free_blocks == 2
@@ -70,14 +89,70 @@ def test_hash_collision_is_a_miss_not_a_wrong_hit():
     kv = KVCacheManager(num_blocks=8, block_size=2, hash_fn=lambda _: 42)  # every hash collides
     kv.allocate_slots("a", [1, 2, 3], 3)
     kv.free("a")
-    assert kv.get_computed_blocks([1, 2, 3])[1] == 2
-    assert kv.get_computed_blocks([7, 8, 9])[1] == 0
+    assert lookup(kv, [1, 2, 3])[1] == 2
+    assert lookup(kv, [7, 8, 9])[1] == 0
+
+
+def tokens_only(key):
+    """A hash that forgets the parent: equal blocks collide wherever they sit in a prompt."""
+    return hash(key[1])
+
+
+def test_equal_blocks_after_different_prefixes_do_not_match():
+    kv = KVCacheManager(num_blocks=8, block_size=2, hash_fn=tokens_only)
+    kv.allocate_slots("a", [1, 2, 3, 4, 0], 5)
+    kv.allocate_slots("b", [5, 6, 0], 3)
+    blocks, hit = lookup(kv, [5, 6, 3, 4, 0])   # [3, 4] collides with a's second block
+    assert hit == 2 and blocks[0].block_id == kv.get_block_ids("b")[0]
+
+
+def test_a_reused_parent_block_never_vouches_for_its_old_child():
+    # Freeing a parent before its child (the pool allows any order) lets the parent be reused
+    # for another prefix while the child stays cached, still naming the parent's block id.
+    old, new = (hash_request_blocks(t, 2, tokens_only) for t in ([1, 2, 3, 4], [5, 6, 3, 4]))
+    assert new[1] == old[1]                      # same value, same tokens: only the past differs
+    pool = BlockPool(2)
+    parent, child = pool.get_new_blocks(2)
+    pool.cache_block(parent, old[0], None)
+    pool.cache_block(child, old[1], parent)
+    pool.free_blocks([parent, child])
+    reused, = pool.get_new_blocks(1)
+    assert reused is parent and pool.get_cached_block(old[1], parent) is None
+    pool.cache_block(reused, new[0], None)
+    assert pool.get_cached_block(new[0], None) is reused
+    assert pool.get_cached_block(new[1], reused) is None    # the stale child must not match
+    assert pool.cached[old[1].value] is child               # it is still cached, unreachable
+
+
+def test_10k_token_prompt_at_block_size_1_is_hashed_once_and_fully_cached():
+    calls = 0
+
+    def counting_hash(key):
+        nonlocal calls
+        calls += 1
+        return hash(key)
+
+    prompt = list(range(10_000))
+    kv = KVCacheManager(num_blocks=10_001, block_size=1, hash_fn=counting_hash)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=10_000))
+    first, second = Request("first", prompt, [7]), Request("second", prompt, [7])
+    sched.add_request(first)
+    assert calls == 10_000                      # the prompt, once, when the request arrives
+    sched.update(sched.schedule(), 1.0)
+    assert first.is_finished and calls == 10_001  # its output token filled one more block
+    sched.add_request(second)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"second": 1}    # every prompt token but the last hit
+    for _ in range(3):                                  # lookups read the request's hashes
+        blocks, hit = kv.get_computed_blocks(second.block_hashes, second.num_tokens)
+        assert hit == 9_999 and len(blocks) == 9_999
+    assert calls == 20_001 and kv.prefix_cache_hits == 4 * 9_999  # no lookup hashed
 
 
 def test_shared_prefix_blocks_are_reference_counted():
     kv = KVCacheManager(num_blocks=8, block_size=2)
     kv.allocate_slots("a", [1, 2, 3, 4, 5], 5)
-    blocks, hit = kv.get_computed_blocks([1, 2, 3, 4, 9])
+    blocks, hit = lookup(kv, [1, 2, 3, 4, 9])
     kv.allocate_slots("b", [1, 2, 3, 4, 9], 5 - hit, blocks)
     assert kv.get_block_ids("a")[:2] == kv.get_block_ids("b")[:2]
     assert [b.ref_cnt for b in blocks] == [2, 2]
@@ -119,7 +194,7 @@ def test_misuse_is_a_clear_error(call, match):
 def test_taking_cached_blocks_twice_is_an_error():
     kv = KVCacheManager(num_blocks=8, block_size=2)
     kv.allocate_slots("a", [1, 2, 3], 3)
-    blocks, _ = kv.get_computed_blocks([1, 2, 3])
+    blocks, _ = lookup(kv, [1, 2, 3])
     with pytest.raises(ValueError, match="already has blocks"):
         kv.allocate_slots("a", [1, 2, 3, 4], 1, blocks)
 

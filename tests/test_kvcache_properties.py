@@ -4,37 +4,56 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from labkit.kvcache import KVCacheManager
+from labkit.kvcache import KVCacheManager, hash_request_blocks
+from labkit.units import cdiv
 
 BLOCK = 4
 VOCAB = 3  # a tiny vocabulary makes shared prefixes and cache hits frequent
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    hash_fn = staticmethod(hash)
+
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK)
+        self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, hash_fn=self.hash_fn)
         self.tokens: dict[str, list[int]] = {}  # what each live request has slots for
+        # block id -> every token up to the end of that block, as last written: what a cache
+        # hit on the block really serves. Kept by the test, independent of the hashes.
+        self.prefix_in_block: dict[int, tuple[int, ...]] = {}
         self.next_id = 0
 
-    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30))
-    def admit(self, prompt):
+    def record_contents(self, rid):
+        seq = self.tokens[rid]
+        for i, block_id in enumerate(self.kv.get_block_ids(rid)[: len(seq) // BLOCK]):
+            self.prefix_in_block[block_id] = tuple(seq[:(i + 1) * BLOCK])
+
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+          own_hashes=st.booleans())
+    def admit(self, prompt, own_hashes):
         rid = f"r{self.next_id}"
         self.next_id += 1
-        blocks, hit = self.kv.get_computed_blocks(prompt)
+        block_hashes = hash_request_blocks(prompt, BLOCK, self.hash_fn)
+        blocks, hit = self.kv.get_computed_blocks(block_hashes, len(prompt))
         assert hit < len(prompt) and hit % BLOCK == 0
-        for block, start in zip(blocks, range(0, hit, BLOCK), strict=True):
-            assert block.block_hash.token_ids == tuple(prompt[start:start + BLOCK])
-        if self.kv.allocate_slots(rid, prompt, len(prompt) - hit, blocks) is not None:
+        for i, block in enumerate(blocks):  # a hit serves exactly this prompt's whole prefix
+            assert self.prefix_in_block[block.block_id] == tuple(prompt[:(i + 1) * BLOCK])
+        # The request may keep its own hash list (as a scheduler's Request does) or not.
+        if self.kv.allocate_slots(rid, prompt, len(prompt) - hit, blocks,
+                                  block_hashes if own_hashes else None) is not None:
             self.tokens[rid] = list(prompt)
+            self.record_contents(rid)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), token=st.integers(0, VOCAB - 1))
     def append(self, data, token):
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        seq = self.tokens[rid] + [token]
-        if self.kv.allocate_slots(rid, seq, 1) is not None:
-            self.tokens[rid] = seq
+        seq = self.tokens[rid]
+        seq.append(token)  # grown in place, rolled back below if no block is free
+        if self.kv.allocate_slots(rid, seq, 1) is None:
+            seq.pop()
+        else:
+            self.record_contents(rid)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -57,7 +76,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.kv.block_pool
         owners: dict[int, int] = {}
         for rid, blocks in self.kv.req_to_blocks.items():
-            assert len(blocks) == -(-self.kv.req_num_slots[rid] // BLOCK)
+            assert len(blocks) == cdiv(self.kv.req_num_slots[rid], BLOCK)
+            assert self.kv.get_block_ids(rid) == [b.block_id for b in blocks]
             for block in blocks:
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
         free = {b.block_id for b in pool.free_queue}
@@ -73,12 +93,25 @@ class KVCacheMachine(RuleBasedStateMachine):
     def cached_prefixes_are_correct(self):
         for value, block in self.kv.block_pool.cached.items():
             assert block.block_hash.value == value
+            tokens = self.prefix_in_block[block.block_id]
+            assert block.block_hash.token_ids == tokens[-BLOCK:]
         for rid, seq in self.tokens.items():
+            assert self.kv.req_block_hashes[rid][: len(seq) // BLOCK] == hash_request_blocks(
+                seq, BLOCK, self.hash_fn)
             for i, block in enumerate(self.kv.req_to_blocks[rid]):
                 if block.block_hash is not None:  # a cached block holds this request's tokens
                     assert block.block_hash.token_ids == tuple(seq[i * BLOCK:(i + 1) * BLOCK])
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60,
-                                            deadline=None)
+class CollidingKVCacheMachine(KVCacheMachine):
+    """The same, with a hash that ignores the parent and has four values: collisions
+    everywhere, which must only ever cost hits, never serve a wrong prefix."""
+
+    hash_fn = staticmethod(lambda key: hash(key[1]) % 4)
+
+
+for machine in (KVCacheMachine, CollidingKVCacheMachine):
+    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=60,
+                                         deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
+TestCollidingKVCacheMachine = CollidingKVCacheMachine.TestCase

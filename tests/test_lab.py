@@ -11,6 +11,13 @@ def test_banner_names_the_path():
     assert not cpu.uses("vllm") and "no CUDA GPU" in cpu.banner("vllm")
     assert gpu.uses("vllm") and gpu.banner("vllm") == "GPU path: vllm on NVIDIA H100 80GB HBM3."
     assert "sglang is not installed" in gpu.banner("sglang")
+    assert "tensorrt_llm is not installed" in gpu.banner("trtllm")  # the package, by name
+
+
+def test_detect_names_engines_not_packages(monkeypatch):
+    monkeypatch.setattr(lab.importlib.util, "find_spec",
+                        lambda name: object() if name == "tensorrt_llm" else None)
+    assert lab.detect().engines == ("trtllm",)
 
 
 def test_detect_without_nvidia_smi(monkeypatch):

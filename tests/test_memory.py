@@ -4,11 +4,16 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from dataclasses import replace
+
+from labkit.checks import ParameterError
 from labkit.hardware import (
     ModelSpec,
     estimate_vram,
     kv_cache_bytes_per_token,
+    kv_heads_per_rank,
     preset_names,
+    tp_shard,
     weight_bytes,
 )
 from labkit.units import GiB
@@ -90,13 +95,31 @@ def test_chunked_prefill_caps_activations():
     assert chunked.activations_gib < whole.activations_gib / 4
 
 
+def test_tensor_parallel_splits_evenly_or_refuses():
+    assert tp_shard(64, 8, "num_attention_heads") == 8
+    # Llama-3-70B's 8 KV heads: split up to 8 ranks, one replicated head per rank beyond.
+    assert [kv_heads_per_rank(8, tp) for tp in (1, 2, 8, 16)] == [8, 4, 1, 1]
+    with pytest.raises(ParameterError, match=r"tensor_parallel_size \(3\) must divide x \(64\)"):
+        tp_shard(64, 3, "x")
+    with pytest.raises(ParameterError, match="tp must be a positive integer"):
+        tp_shard(64, 0, "x", param="tp")
+    with pytest.raises(ParameterError, match="must divide one another") as err:
+        kv_heads_per_rank(8, 12)
+    assert err.value.param == "tensor_parallel_size"
+    # vLLM also splits the MLP's intermediate size evenly.
+    odd = replace(ModelSpec.preset("Llama-3-8B"), intermediate_size=14338)
+    with pytest.raises(ValueError, match=r"must divide intermediate_size \(14338\)"):
+        kv_cache_bytes_per_token(odd, tensor_parallel_size=4)
+    assert kv_cache_bytes_per_token(odd, tensor_parallel_size=2) > 0
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"seq_len": 0}, "seq_len must be a positive integer"),
     ({"batch_size": -2}, "batch_size must be a positive integer"),
     ({"weight_dtype": "int3"}, "weight_dtype must be one of"),
     ({"kv_dtype": "int4"}, "kv_dtype must be one of"),
     ({"tensor_parallel_size": 3}, "must divide num_attention_heads"),
-    ({"overhead_gib": -1}, "overhead_gib must be >= 0"),
+    ({"overhead_gib": -1}, r"overhead_gib must be in \[0, inf\)"),
 ])
 def test_bad_input_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from labkit.parallel import (all_gather, allreduce_bytes_per_layer, attention,
+from labkit.parallel import (all_gather, allreduce_bytes, allreduce_bytes_per_layer, attention,
                              column_parallel_linear, link_gb_s_per_direction, megatron_mlp, mlp,
-                             ring_all_reduce_s, row_parallel_linear, split_rows,
-                             tensor_parallel_attention, tp_decode_scaling)
+                             ring_all_reduce_bytes, ring_all_reduce_s, row_parallel_linear,
+                             split_rows, tensor_parallel_attention, tp_decode_scaling)
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(6, 32))
@@ -53,8 +53,16 @@ def test_ring_all_reduce_by_hand():
     assert link_gb_s_per_direction("H100 SXM") == 450
 
 
+def test_ring_all_reduce_traffic_per_rank():
+    # 2 (p-1) / p of the buffer: nothing alone, the whole buffer on 2 ranks, near twice on many.
+    assert [ring_all_reduce_bytes(16e6, p) for p in (1, 2, 4, 8)] == [0, 16e6, 24e6, 28e6]
+    assert ring_all_reduce_s(16e6, 8, 450) == pytest.approx(ring_all_reduce_bytes(16e6, 8)
+                                                           / 450e9)
+
+
 def test_communication_volume_and_scaling():
     # Llama-3-70B: 2 all-reduces of 8192 BF16 values per token per layer.
+    assert allreduce_bytes("Llama-3-70B", 1) == 8192 * 2
     assert allreduce_bytes_per_layer("Llama-3-70B", 1) == 2 * 8192 * 2
     steps = tp_decode_scaling("Llama-3-70B", "H100 SXM", [1, 2, 4, 8], batch_size=32,
                               context_len=2048, latency_s=10e-6)
@@ -68,11 +76,14 @@ def test_communication_volume_and_scaling():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: column_parallel_linear(X, np.zeros((32, 10)), None, 4), "dividing the output"),
+    (lambda: column_parallel_linear(X, np.zeros((32, 10)), None, 4),
+     r"tp \(4\) must divide the output width \(10\)"),
+    (lambda: split_rows(np.zeros((32, 10)), 0), "tp must be a positive integer"),
     (lambda: tensor_parallel_attention(X, np.zeros((32, 24)), np.zeros((32, 9)),
                                        np.zeros((32, 9)), np.zeros((24, 32)), 8, 3, 4),
      "must divide one another"),
-    (lambda: ring_all_reduce_s(1, 2, 0), "link_gb_s > 0"),
+    (lambda: ring_all_reduce_s(1, 2, 0), r"link_gb_s must be in \(0, inf\)"),
+    (lambda: ring_all_reduce_bytes(-1, 2), "num_bytes must be in"),
 ])
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):

@@ -45,6 +45,16 @@ def test_asymmetric_int4_by_hand():
     np.testing.assert_allclose(qt.dequantize(), [[-1.0, 2.0, 0.6, 0.0]], atol=1e-6)
 
 
+def test_one_signed_group_keeps_zero_representable_by_hand():
+    # All positive: the range widens to [0, 3], not [0.6, 3]: scale 0.2, zero point 0.
+    w = np.array([[0.6, 1.0, 2.0, 3.0]], np.float32)
+    for sign, zero, codes in ((1, 0, [3, 5, 10, 15]), (-1, 15, [12, 10, 5, 0])):
+        qt = quantize(sign * w, bits=4, symmetric=False, granularity="channel")
+        assert (qt.scale[0, 0], qt.zero[0, 0]) == (pytest.approx(0.2), zero)
+        np.testing.assert_array_equal(qt.q, [codes])
+        np.testing.assert_allclose(qt.dequantize(), sign * w, atol=1e-6)
+
+
 def test_memory_accounting_includes_scales():
     w = rng.normal(size=(256, 1024)).astype(np.float32)
     grouped = quantize(w, 4, False, "group", 128)

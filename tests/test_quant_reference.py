@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from labkit.quant import gptq_quantize, output_error, quantize
+from labkit.quant import gptq_quantize, output_error, quant_params, quantize
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("llmcompressor")
@@ -46,3 +46,27 @@ def test_our_gptq_agrees_with_llmcompressor():
     rtn = quantize(w, 4, False, "group", GROUP).dequantize()
     assert output_error(x, w, ours) == pytest.approx(output_error(x, w, theirs), rel=0.02)
     assert output_error(x, w, ours) < 0.2 * output_error(x, w, rtn)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["all positive", "all negative"])
+def test_one_signed_groups_get_compressed_tensors_qparams(sign):
+    # Groups of one sign: like compressed-tensors, the range includes 0 so that 0 is a code.
+    rng = np.random.default_rng(1)
+    w = (sign * rng.uniform(0.5, 2.0, size=(8, 2 * GROUP))).astype(np.float32)
+    groups = w.reshape(8, -1, GROUP)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=GROUP)
+    t = torch.tensor(groups)
+    their_scale, their_zero = calculate_qparams(t.amin(-1), t.amax(-1), args)
+    scale, zero = quant_params(groups.min(-1), groups.max(-1), bits=4, symmetric=False)
+    np.testing.assert_allclose(scale, their_scale.numpy(), rtol=1e-6)
+    # compressed-tensors stores signed codes, -8..7: its zero point is ours minus 8.
+    np.testing.assert_array_equal(zero, their_zero.numpy().astype(np.float32) + 8)
+    # RTN and GPTQ share the rule; with nothing to feed back (identity Hessian) they agree.
+    rtn = quantize(w, 4, False, "group", GROUP)
+    x = np.eye(2 * GROUP, dtype=np.float32) * np.sqrt(2 * GROUP)
+    gptq = gptq_quantize(w, x, bits=4, group_size=GROUP, damp=1e-6)
+    np.testing.assert_allclose(gptq.scales, rtn.scale, rtol=1e-6)
+    np.testing.assert_array_equal(gptq.zeros, rtn.zero)
+    np.testing.assert_allclose(gptq.weight, rtn.dequantize(), atol=1e-5)
+    assert np.abs(rtn.dequantize() - w).max() <= 0.5001 * scale.max()  # no value saturates

@@ -1,5 +1,7 @@
 """Schedulers: the tutorial's toy count, vLLM's token budget, chunked prefill, preemption."""
 
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,6 +10,7 @@ from labkit.kvcache import KVCacheManager
 from labkit.scheduling import (Request, Scheduler, SchedulerConfig, StaticBatchScheduler,
                                continuous_decode_steps, static_decode_steps)
 from labkit.simulate import simulate
+from labkit.units import cdiv
 
 TUTORIAL_OUTPUTS = [10, 50, 5, 100, 3, 20, 8, 60, 15, 40]
 
@@ -141,4 +144,141 @@ def test_every_request_finishes_with_its_tokens_and_nothing_leaks(lens, blocks, 
     for r in runnable:
         assert r.is_finished and r.num_output_tokens == r.max_tokens
         assert r.token_times == sorted(r.token_times) and r.token_times[0] > r.arrival_time
+    assert kv.block_pool.num_free_blocks == blocks and not kv.req_to_blocks
+
+
+def test_each_step_carries_the_block_tables_of_its_requests():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=8))
+    for r in (req("a", 10, 3), req("b", 3, 2, base=100)):
+        sched.add_request(r)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert out.block_ids == {r.request_id: kv.get_block_ids(r.request_id)
+                                 for r in out.requests}
+        for r in out.requests:  # room for every token computed by the end of this step
+            n = r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+            assert len(out.block_ids[r.request_id]) == cdiv(n, 4)
+        sched.update(out, 1.0)
+
+
+@dataclass(eq=False)
+class StopTokenRequest(Request):
+    """What an engine's request adds: a stop token, checked after the base length limit."""
+
+    stop_token_id: int = -1
+
+    def check_stop(self) -> bool:
+        if super().check_stop():
+            return True
+        if self.token_ids[-1] == self.stop_token_id:
+            self.finish_reason, self.stop_reason = "stop", self.stop_token_id
+            return True
+        return False
+
+
+def test_check_stop_is_the_one_place_that_ends_a_request():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv)
+    long = StopTokenRequest("long", [1, 2, 3], max_tokens=10, stop_token_id=9)
+    short = StopTokenRequest("short", [4, 5], max_tokens=2, stop_token_id=9)
+    gone = Request("gone", [6, 7], max_tokens=5)
+    for r in (long, short, gone):
+        sched.add_request(r)
+    assert sched.update(sched.schedule(), 1.0, {"long": 5, "short": 5, "gone": 5}) == []
+    sched.finish_request(gone, 1.5)                                  # the client went away
+    done = sched.update(sched.schedule(), 2.0, {"long": 9, "short": 9})
+    assert done == [long, short] and not sched.has_unfinished_requests()
+    assert (long.finish_reason, long.stop_reason, long.token_ids[3:]) == ("stop", 9, [5, 9])
+    assert (short.finish_reason, short.stop_reason) == ("length", None)  # length comes first
+    assert (gone.finish_reason, gone.finish_time) == ("abort", 1.5)
+    assert kv.block_pool.num_free_blocks == 16
+
+
+def prefill(sched, request):
+    """Add ``request`` and run steps until its prompt is computed."""
+    sched.add_request(request)
+    while request.num_computed_tokens < request.prompt_len:
+        sched.update(sched.schedule(), 1.0)
+
+
+def test_fork_shares_the_prompt_and_copies_its_partial_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv)
+    parent = req("p", 10, 3)                             # 2 full blocks and 2 tokens
+    prefill(sched, parent)
+    child = Request("c", parent.prompt_token_ids, [8, 8, 8])
+    assert not child.append_output_token(8, 1.0)        # its own first token, same logits
+    copies = sched.fork_request(parent, child)
+    p_ids, c_ids = kv.get_block_ids("p"), kv.get_block_ids("c")
+    assert p_ids[:2] == c_ids[:2] and copies == [(p_ids[2], c_ids[2])]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in p_ids] == [2, 2, 1]
+    assert child in sched.running and child.num_computed_tokens == 10
+    assert child.block_hashes == parent.block_hashes    # hashed with the same hasher
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"p": 1, "c": 1}  # the child decodes at once
+    sched.update(out, 2.0)
+    run_steps(sched, [])
+    assert parent.token_ids[10:] == [7, 7, 7] and child.token_ids[10:] == [8, 8, 8]
+    assert kv.block_pool.num_free_blocks == 16 and not kv.req_to_blocks
+
+
+def test_fork_without_room_makes_the_child_wait_and_recompute():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    sched = Scheduler(kv)
+    parent = req("p", 14, 2)                             # 3 full blocks and 2 tokens: all 4
+    prefill(sched, parent)
+    child = Request("c", parent.token_ids, [8])          # the parent's own first token too
+    assert sched.fork_request(parent, child) == [] and sched.waiting[0] is child
+    outs = run_steps(sched, [])
+    # Once the parent is done, the child takes its 3 full cached blocks and computes the rest.
+    assert [o.num_scheduled_tokens for o in outs] == [{"p": 1}, {"c": 15 - 12}]
+    assert child.is_finished and child.token_ids[14:] == [7, 8]
+    assert kv.block_pool.num_free_blocks == 4
+
+
+def test_fork_respects_max_num_seqs_and_refuses_a_stranger():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=1))
+    parent = req("p", 6, 2)
+    prefill(sched, parent)
+    with pytest.raises(ValueError, match="must begin with the 6 computed tokens"):
+        sched.fork_request(parent, req("x", 6, 2, base=50))
+    child = Request("c", parent.token_ids, [8])
+    assert sched.fork_request(parent, child) == [] and list(sched.waiting) == [child]
+    assert "c" not in kv.req_to_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 2)),
+                     min_size=1, max_size=6),
+       blocks=st.integers(8, 24), seqs=st.integers(1, 6), shared=st.booleans())
+def test_forked_requests_finish_with_their_tokens_and_nothing_leaks(lens, blocks, seqs, shared):
+    kv = KVCacheManager(num_blocks=blocks, block_size=4)
+    sched = Scheduler(kv, SchedulerConfig(seqs, 32))
+    requests, children, num_children = [], [], {}
+    for i, (p, o, n) in enumerate(lens):
+        r = req(f"r{i}", p, o, base=0 if shared else 1000 * i)
+        try:
+            sched.add_request(r)
+        except ValueError:
+            continue  # could never fit this cache
+        requests.append(r)
+        num_children[r.request_id] = n
+    now = 0.0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        now += 1.0
+        sched.update(out, now)
+        for parent in out.requests:  # fork right after the step that ends a prefill
+            if parent.num_output_tokens != 1:
+                continue
+            for k in range(num_children.pop(parent.request_id, 0)):
+                child = Request(f"{parent.request_id}.{k}", parent.prompt_token_ids,
+                                [8] * (parent.max_tokens + k))  # may outlive its parent
+                children.append(child)
+                if not child.append_output_token(8, now):  # its first token may end it
+                    sched.fork_request(parent, child)
+    for r in requests + children:
+        assert r.is_finished and r.token_ids == r.prompt_token_ids + list(r.output_plan)
     assert kv.block_pool.num_free_blocks == blocks and not kv.req_to_blocks

@@ -1,51 +1,32 @@
-"""The OpenAI-compatible server: the official client, streaming, errors, metrics, no leaks."""
+"""The OpenAI-compatible server: the official client, streaming, vLLM's parameters, errors,
+metrics, authentication and limits, no leaks."""
 
 import asyncio
 import json
-import socket
 import threading
-import time
 
 import httpx
+import numpy as np
 import pytest
-import uvicorn
+from conftest import serve_in_thread, serve_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.engine import EngineArgs, write_tiny_model
 from labkit.engine.async_engine import AsyncLLMEngine
-from labkit.engine.server import build_app
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"))
-    engine = AsyncLLMEngine(EngineArgs(str(model_dir), max_model_len=256, block_size=4),
-                            served_model_name=MODEL)
-    port = free_port()
-    config = uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="error")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, engine
-    uv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+def server(tiny):
+    with serve_tiny_model(tiny, MODEL, max_model_len=256, block_size=4) as running:
+        yield running
 
 
 @pytest.fixture
@@ -54,9 +35,18 @@ def client(server):
 
 
 def wait_idle(engine, timeout=5.0):
+    import time
+
     deadline = time.monotonic() + timeout
     while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def assert_no_leak(engine):
+    wait_idle(engine)
+    kv = engine.engine.kv_cache
+    assert not engine.engine.has_unfinished_requests() and not engine.engine.groups
+    assert kv.block_pool.num_free_blocks == kv.num_blocks and not kv.req_to_blocks
 
 
 def test_models_and_health(server, client):
@@ -73,6 +63,11 @@ def test_completion_and_chat(client):
                                           messages=[{"role": "user", "content": "hi"}],
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    # OpenAI's newer name for the reply budget, and content given as text parts.
+    chat = client.chat.completions.create(
+        model=MODEL, max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert chat.usage.completion_tokens == 3
 
 
 def test_streaming_equals_non_streaming(client):
@@ -80,7 +75,7 @@ def test_streaming_equals_non_streaming(client):
                   extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0].text
     pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs)]
-    assert "".join(pieces) == whole and len(pieces) == 8
+    assert "".join(pieces) == whole and len(pieces) == 8   # one chunk per token
     chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, stream=True,
                                           messages=[{"role": "user", "content": "hi"}],
                                           stream_options={"include_usage": True},
@@ -90,27 +85,124 @@ def test_streaming_equals_non_streaming(client):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_completions_add_special_tokens_and_chat_does_not(server, client):
+    """As vLLM: a completion prompt is encoded with the tokenizer's special tokens (Llama's
+    BOS), a chat prompt's template already holds them."""
+    tokenizer = server[1].engine.tokenizer
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1)
+    assert done.usage.prompt_tokens == len(tokenizer.encode("Hello", add_special_tokens=True))
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages)
+    rendered = tokenizer.apply_chat_template(messages)
+    assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_logprobs_are_raw_log_softmax(client, tiny):
+    """The logprobs equal log_softmax of transformers' logits at the same positions: a
+    reference we did not compute ourselves."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    prompt = [5, 17, 42]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                     logprobs=3, echo=True, extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before it
+    assert len(lp.tokens) == 3 + 4 and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == done.choices[0].text
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0]
+    expected = torch.log_softmax(logits.double(), -1).numpy()
+    np.testing.assert_allclose(lp.token_logprobs[1:3], [expected[0, 17], expected[1, 42]],
+                               atol=1e-4)
+    # Greedy picks the most likely token, so its logprob is the row's maximum.
+    assert lp.token_logprobs[3] == pytest.approx(expected[2].max(), abs=1e-4)
+    assert max(lp.top_logprobs[3].values()) == pytest.approx(expected[2].max(), abs=1e-4)
+
+
+def test_chat_logprobs_shape(client):
+    chat = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert [t.logprob for t in item.top_logprobs] == sorted(
+            (t.logprob for t in item.top_logprobs), reverse=True)
+        assert len(item.top_logprobs) == 2 and item.logprob == item.top_logprobs[0].logprob
+        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
+
+
+def test_n_choices_share_the_prompt_and_equal_greedy(client):
+    greedy = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
+                                       max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    many = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
+                                     max_tokens=6, temperature=0, n=3,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert all(c.text == greedy.choices[0].text for c in many.choices)
+    assert many.usage.completion_tokens == 18
+    assert many.usage.prompt_tokens == greedy.usage.prompt_tokens
+    streamed = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
+                                         max_tokens=6, temperature=0.9, seed=3, n=2,
+                                         stream=True, extra_body={"ignore_eos": True})
+    texts = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    again = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
+                                      max_tokens=6, temperature=0.9, seed=3, n=2,
+                                      extra_body={"ignore_eos": True})
+    assert texts == [c.text for c in again.choices]
+
+
+def test_echo_returns_the_prompt_first(client):
+    done = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3,
+                                     echo=True, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].text == "Hello world" + plain.choices[0].text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature"),
     ({"prompt": "x", "top_p": 2}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "x", "n": 3}, "n"),
-    ({"prompt": "word " * 400}, None),             # longer than max_model_len
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 10_000}, "n"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "word " * 400}, "prompt"),             # longer than max_model_len
+    ({"prompt": [10**6]}, "prompt"),
     ({}, "prompt"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):
-    response = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, **body})
-    assert response.status_code == 400
+    response = httpx.post(server[0] + "/v1/completions", headers={"content-type":
+                          "application/json"}, content=json.dumps({"model": MODEL, **body}))
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"]
     assert error["param"] == param
 
 
-def test_malformed_json_unknown_model_and_client_errors(server, client):
-    response = httpx.post(server[0] + "/v1/completions", content=b"{not json",
+def test_transport_errors_are_openai_errors(server, client):
+    base = server[0]
+    response = httpx.post(base + "/v1/completions", content=b"{not json",
                           headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        response = httpx.request(method, base + path)
+        assert response.status_code == status
+        assert response.json()["error"]["code"] == status
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
@@ -139,7 +231,7 @@ def test_cancelled_streams_leak_no_blocks(server):
     async def cancel_midway(i):
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 200,
-                    "stream": True, "ignore_eos": True}
+                    "stream": True, "ignore_eos": True, "n": 1 + i % 3}
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 seen = 0
                 async for line in response.aiter_lines():
@@ -153,13 +245,18 @@ def test_cancelled_streams_leak_no_blocks(server):
         await asyncio.gather(*(cancel_midway(i) for i in range(12)))
 
     asyncio.run(load())
-    wait_idle(engine)
-    kv = engine.engine.kv_cache
-    assert not engine.engine.has_unfinished_requests()
-    assert kv.block_pool.num_free_blocks == kv.num_blocks and not kv.req_to_blocks
+    assert_no_leak(engine)
 
 
-def test_regex_through_the_api(client):
+def test_client_leaving_a_non_streamed_request_aborts_it(server):
+    base, engine = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", timeout=0.3, json={
+            "model": MODEL, "prompt": "long", "max_tokens": 240, "ignore_eos": True})
+    assert_no_leak(engine)
+
+
+def test_regex_and_structured_outputs_through_the_api(client):
     import regex
 
     done = client.completions.create(model=MODEL, prompt="Call", max_tokens=20,
@@ -167,3 +264,63 @@ def test_regex_through_the_api(client):
     assert regex.fullmatch(r"\+1 [0-9]{3} [0-9]{4}", done.choices[0].text)
     with pytest.raises(openai.BadRequestError, match="invalid pattern"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"regex": "(oops"})
+    choice = client.completions.create(
+        model=MODEL, prompt="Pick", max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    reply = client.chat.completions.create(
+        model=MODEL, max_tokens=30, messages=[{"role": "user", "content": "json"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert isinstance(json.loads(reply.choices[0].message.content)["ok"], bool)
+
+
+def test_api_key_protects_v1_routes(tiny):
+    engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=64), served_model_name=MODEL)
+    with serve_in_thread(engine, api_key="s3cret") as base:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        wrong = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+        right = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        assert httpx.get(base + "/health").status_code == 200   # probes need no key
+        assert httpx.get(base + "/metrics").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="nope").models.list()
+
+
+def test_request_size_limit(tiny):
+    engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=64), served_model_name=MODEL)
+    with serve_in_thread(engine, max_request_bytes=10_000) as base:
+        big = {"model": MODEL, "prompt": "x" * 20_000}
+        response = httpx.post(base + "/v1/completions", json=big)
+        assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+        def chunks():  # no Content-Length: the limit counts what arrives
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(30):
+                yield b"x" * 1000
+            yield b'"}'
+
+        response = httpx.post(base + "/v1/completions", content=chunks(),
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 413
+        ok = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_tokenization_runs_off_the_engine_thread(server, monkeypatch):
+    engine = server[1]
+    seen = []
+    tokenizer = engine.engine.tokenizer
+    original = tokenizer.encode
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "hello",
+                                                    "max_tokens": 1})
+    assert seen and "engine-loop" not in seen

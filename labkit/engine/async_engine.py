@@ -2,14 +2,21 @@
 
 The HTTP server is asynchronous; the engine is a plain loop of ``step()`` calls. One thread
 owns the engine: it takes new requests and aborts from a queue, steps while there is work,
-and hands each output to the waiting coroutine with ``call_soon_threadsafe``. A coroutine
-that is cancelled (its client disconnected) aborts its request, which frees its KV blocks.
+and hands each output to the waiting coroutine with ``call_soon_threadsafe``. Everything that
+can be done without the engine's state (validation, tokenization of a 5 MB prompt) happens
+before a request reaches that thread, so it never stalls the streams already running.
+
+A coroutine that is cancelled (its client disconnected) aborts its request, which frees its
+KV blocks. If ``step()`` itself raises, the engine is broken, not the request: like vLLM's
+``EngineDeadError``, every open stream ends with the error, ``errored`` turns true (the
+server's ``/health`` answers 503) and new requests are refused at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -19,6 +26,12 @@ from labkit.engine.metrics import EngineMetrics
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an internal error; the server must be restarted."""
+
 
 class AsyncLLMEngine:
     """An :class:`LLMEngine` driven by its own thread, for use from asyncio code."""
@@ -27,33 +40,46 @@ class AsyncLLMEngine:
         self.engine = LLMEngine(args)
         self.model_name = served_model_name or args.model
         self.metrics = EngineMetrics(self.model_name)
+        self.dead_error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or not self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` unless the engine loop is alive."""
+        if self.errored:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every new token, until it finishes.
 
-        Bad prompts raise ``ValueError`` before anything is queued.
+        Bad input raises :class:`~labkit.checks.ParameterError` before anything is queued;
+        a dead engine raises :class:`EngineDeadError`.
         """
+        self.check_health()
         request_id = request_id or f"req-{next(self._ids)}"
+        choices = await asyncio.to_thread(self.engine.process_inputs, prompt, params,
+                                          request_id, add_special_tokens=add_special_tokens)
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        done = threading.Event()
-        error: list[Exception] = []
-        self._commands.put(("add", (prompt, params, request_id, done, error)))
-        await loop.run_in_executor(None, done.wait)
-        if error:
-            del self._streams[request_id]
-            raise error[0]
         finished = False
         try:
+            self.check_health()  # a loop that died before we registered never answers us
+            self._commands.put(("add", choices))
             while not finished:
                 output = await outputs.get()
+                if isinstance(output, BaseException):
+                    finished = True
+                    raise output
                 finished = output.finished
                 yield output
         finally:
@@ -66,13 +92,23 @@ class AsyncLLMEngine:
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - whatever broke the loop kills the engine
+            logger.exception("engine loop died")
+            self.dead_error = err
+            dead = EngineDeadError(f"the engine loop has stopped: {err!r}")
+            for loop, outputs in list(self._streams.values()):
+                _deliver(loop, outputs, dead)
+
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             block = not engine.has_unfinished_requests()
             try:
                 while True:
-                    self._handle(*self._commands.get(block=block, timeout=None if block else 0))
+                    self._handle(*self._commands.get(block=block))
                     block = False
             except queue.Empty:
                 pass
@@ -83,18 +119,24 @@ class AsyncLLMEngine:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
-                    loop, q = stream
-                    loop.call_soon_threadsafe(q.put_nowait, output)
+                    _deliver(*stream, output)
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
-            prompt, params, request_id, done, error = payload
             try:
-                self.engine.add_request(prompt, params, request_id)
-            except ValueError as err:
-                error.append(err)
-            done.set()
+                self.engine.add_processed(payload)
+            except ValueError as err:  # a request id already in use
+                stream = self._streams.get(payload[0].parent_id)
+                if stream is not None:
+                    _deliver(*stream, err)
         elif kind == "abort":
             self.engine.abort_request(payload)
             self.metrics.forget(payload)
             self.metrics.record_step(self.engine, [])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, item) -> None:
+    try:
+        loop.call_soon_threadsafe(outputs.put_nowait, item)
+    except RuntimeError:  # that client's event loop has closed: nobody is listening
+        pass

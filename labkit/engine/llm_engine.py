@@ -1,10 +1,18 @@
 """The teaching engine: scheduler, paged KV cache, model and sampler in one loop (ch. 2.1).
 
 ``LLMEngine.step()`` is one iteration of a serving engine: ask the scheduler
-(:class:`labkit.scheduling.Scheduler`) for a batch, run the model on it, sample a token for
-every sequence whose known tokens are all computed, check stop conditions, and report what
-changed. ``LLM`` wraps it in vLLM's offline API. The KV cache is sized the way vLLM sizes it
-(chapter 1.3), on a simulated device of ``device_memory_gib``.
+(:class:`labkit.scheduling.Scheduler`) for a batch and the block table of every request in
+it, run the model, sample a token for every sequence whose known tokens are all computed,
+and let each request's ``check_stop`` decide whether it is done. ``LLM`` wraps it in vLLM's
+offline API. The KV cache is sized the way vLLM sizes it (chapter 1.3), on a simulated
+device of ``device_memory_gib``.
+
+Requests enter in two halves so that a server can keep its engine loop busy only with
+stepping: :meth:`LLMEngine.process_inputs` validates and tokenizes (any thread; every
+problem is a :class:`~labkit.checks.ParameterError` naming the field) and
+:meth:`LLMEngine.add_processed` queues the result (the engine's thread; cannot fail on
+input). ``n > 1`` choices share the prompt's KV blocks: the first choice prefills, the
+others fork from it (chapter 3.1) and sample their first token from the same logits.
 """
 
 from __future__ import annotations
@@ -19,14 +27,23 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.checks import ParameterError, in_range, positive_int
 from labkit.engine.constraints import RegexConstraint
+from labkit.engine.detokenizer import IncrementalDetokenizer
 from labkit.engine.model import LlamaModel, SequenceBatch
-from labkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from labkit.engine.sampling import SamplingParams, sample
+from labkit.engine.outputs import RequestOutput
+from labkit.engine.request import EngineRequest
+from labkit.engine.sampling import SamplingParams, logprobs_of, rng_for, sample
 from labkit.engine.tokenizer import Tokenizer
-from labkit.hardware import ModelSpec, activation_bytes, kv_cache_bytes_per_token
+from labkit.hardware import (
+    ModelSpec,
+    activation_bytes,
+    check_sequence_fits,
+    kv_cache_bytes_per_token,
+    num_kv_blocks,
+)
 from labkit.kvcache import KVCacheManager
-from labkit.scheduling import Request, Scheduler, SchedulerConfig
+from labkit.scheduling import Scheduler, SchedulerConfig
 from labkit.units import GiB
 
 logger = logging.getLogger(__name__)
@@ -47,46 +64,39 @@ class EngineArgs:
     device_memory_gib: float = 0.125
     seed: int = 0
 
-
-@dataclass
-class _Tracked:
-    request: Request
-    params: SamplingParams
-    prompt: str | None
-    rng: np.random.Generator
-    metrics: RequestMetrics
-    constraint: RegexConstraint | None = None
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
+    def __post_init__(self) -> None:
+        in_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
+        in_range("device_memory_gib", self.device_memory_gib, 0, low_open=True)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            positive_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            positive_int("max_model_len", self.max_model_len)
 
 
 class LLMEngine:
     """A continuous-batching inference engine over a paged KV cache, in NumPy."""
 
     def __init__(self, args: EngineArgs) -> None:
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {args.gpu_memory_utilization}")
         model_dir = Path(args.model)
         if not (model_dir / "config.json").is_file():
-            raise ValueError(f"model: {args.model!r} is not a model directory with config.json")
+            raise ParameterError("model", f"model: {args.model!r} is not a model directory "
+                                          f"with config.json")
         self.args = args
-        config = json.loads((model_dir / "config.json").read_text())
-        spec = ModelSpec.from_hf_config(config)
-        self.max_model_len = args.max_model_len or spec.max_position_embeddings or 2048
+        spec = ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+        self.max_model_len = _max_model_len(args.max_model_len, spec)
         # The cache is sized from the loaded weights' bytes, so it is allocated after loading.
         self.model = LlamaModel.load(model_dir, num_blocks=1, block_size=args.block_size)
         self.num_gpu_blocks = self._size_kv_cache(spec)
         self.model.allocate_kv_cache(self.num_gpu_blocks, args.block_size)
         self.tokenizer = Tokenizer(model_dir)
-        self._token_texts: list[str] | None = None  # for regex constraints, built on first use
+        self.vocab_size = self.model.spec.vocab_size
+        self._token_texts: list[str] | None = None  # each token alone, for constraints
         self.kv_cache = KVCacheManager(self.num_gpu_blocks, args.block_size,
                                        args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill))
-        self.requests: dict[str, _Tracked] = {}
+        self.groups: dict[str, list[EngineRequest]] = {}  # client request id -> its choices
+        self._pending_forks: dict[str, list[EngineRequest]] = {}  # first choice -> the rest
         self._seeds = np.random.SeedSequence(args.seed)
         self._ids = itertools.count()
         self.last_step_logits: dict[str, np.ndarray] = {}
@@ -99,122 +109,242 @@ class LLMEngine:
         budget = args.device_memory_gib * GiB * args.gpu_memory_utilization
         activations = activation_bytes(spec, args.max_num_batched_tokens, args.max_num_seqs,
                                        act_dtype_bytes=4)
-        block_bytes = args.block_size * kv_cache_bytes_per_token(spec, "fp32")
-        num_blocks = int((budget - self.model.weight_bytes - activations) // block_bytes)
-        if num_blocks * args.block_size < self.max_model_len:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} needs {self.max_model_len} KV tokens but "
-                f"only {max(num_blocks, 0) * args.block_size} fit in {budget / GiB:.2f} GiB; "
-                f"raise device_memory_gib or gpu_memory_utilization, or lower max_model_len")
+        num_blocks = num_kv_blocks(
+            budget, weights_bytes=self.model.weight_bytes, activations_bytes=activations,
+            block_bytes=args.block_size * kv_cache_bytes_per_token(spec, "fp32"))
+        check_sequence_fits(self.max_model_len, num_blocks, args.block_size,
+                            f"max_model_len={self.max_model_len}",
+                            f"{budget / GiB:.2f} GiB holds too little; raise device_memory_gib "
+                            f"or gpu_memory_utilization, or lower max_model_len",
+                            param="max_model_len")
         logger.info("GPU KV cache size: %d tokens", num_blocks * args.block_size)
         return num_blocks
 
+    # -- requests in --------------------------------------------------------------------
+
+    def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
+                       add_special_tokens: bool = True) -> list[EngineRequest]:
+        """Validate and tokenize one prompt: its ``n`` choices, ready for ``add_processed``.
+
+        Safe to call from any thread (it reads only what never changes), so a server runs it
+        off the engine loop. ``add_special_tokens`` adds the tokenizer's BOS to a text prompt,
+        as vLLM's completions do; a chat prompt already has it from its template.
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = (self._encode(text, add_special_tokens) if text is not None
+                     else self._check_token_ids(prompt))
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # vLLM: as many as the context window leaves
+            max_tokens = max(self.max_model_len - len(token_ids), 1)
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ParameterError(
+                "prompt" if len(token_ids) >= self.max_model_len else "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
+                f"prompt, {max_tokens} for the completion).")
+        if params.n > self.args.max_num_seqs:
+            raise ParameterError("n", f"n must be at most max_num_seqs "
+                                      f"({self.args.max_num_seqs}), got {params.n}")
+        constraint, allowed = self._constraint(params)
+        choices = []
+        now = time.monotonic()
+        for index in range(params.n):
+            choice_params = params.for_choice(index) if params.n > 1 else params
+            choice_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            request = EngineRequest(
+                choice_id, token_ids, arrival_time=now, max_tokens=max_tokens,
+                params=choice_params, prompt=text, index=index, parent_id=request_id,
+                max_model_len=self.max_model_len, eos_token_id=self.tokenizer.eos_token_id,
+                rng=rng_for(choice_params.seed, self._seeds.spawn(1)[0]),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, choice_params.stop,
+                    include_stop_str_in_output=choice_params.include_stop_str_in_output,
+                    skip_special_tokens=choice_params.skip_special_tokens),
+                constraint=constraint, allowed=allowed,
+                constraint_param="structured_outputs" if params.regex is None else "regex")
+            choices.append(request)
+        try:
+            self.scheduler.check_request(choices[0])
+        except ValueError as err:
+            raise ParameterError("max_tokens", str(err)) from None
+        return choices
+
+    def add_processed(self, choices: list[EngineRequest]) -> str:
+        """Queue the choices of one request (from ``process_inputs``); returns its id."""
+        first = choices[0]
+        if first.parent_id in self.groups:
+            raise ParameterError("request_id", f"request_id {first.parent_id!r} is already "
+                                               f"in use")
+        self.groups[first.parent_id] = choices
+        self.scheduler.add_request(first)
+        if len(choices) > 1:
+            self._pending_forks[first.request_id] = choices[1:]
+        return first.parent_id
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
-        params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: the prompt must not be empty")
-        if any(not 0 <= t < self.model.spec.vocab_size for t in token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {self.model.spec.vocab_size})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion).")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        now = time.monotonic()
-        request = Request(request_id, token_ids, arrival_time=now, max_tokens=params.max_tokens)
-        seed = params.seed if params.seed is not None else self._seeds.spawn(1)[0]
-        constraint = None
-        if params.regex is not None:
-            if self._token_texts is None:
-                self._token_texts = [self.tokenizer.decode([t], skip_special_tokens=True)
-                                     for t in range(self.tokenizer.vocab_size)]
-            constraint = RegexConstraint(params.regex, self._token_texts,
-                                         self.tokenizer.eos_token_id)
-        self.scheduler.add_request(request)
-        self.requests[request_id] = _Tracked(request, params, text, np.random.default_rng(seed),
-                                             RequestMetrics(now), constraint)
-        return request_id
+        """Validate, tokenize and queue a prompt (text or token ids); returns its id."""
+        return self.add_processed(self.process_inputs(prompt, params, request_id))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks (a client that went away)."""
-        tracked = self.requests.pop(request_id, None)
-        if tracked is not None:
-            self.scheduler.finish_request(tracked.request, time.monotonic())
+        choices = self.groups.pop(request_id, None)
+        if choices is None:
+            return
+        now = time.monotonic()
+        self._pending_forks.pop(choices[0].request_id, None)
+        for choice in choices:
+            if choice in self.scheduler.running or choice in self.scheduler.waiting:
+                self.scheduler.finish_request(choice, now)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # -- one step -----------------------------------------------------------------------
+
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for every request that got a token."""
+        """One engine iteration; returns an output for every request that got a token.
+
+        An exception from here means the engine itself is broken (a request's own problems
+        end that request in ``check_stop``); the async engine then declares itself dead.
+        """
         out = self.scheduler.schedule()
         if not out.requests:
             return []
         now = time.monotonic()
+        batch = []
         for request in out.requests:
-            metrics = self.requests[request.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                self.requests[request.request_id].num_cached_tokens = request.num_computed_tokens
-        batch = [SequenceBatch(request.token_ids[request.num_computed_tokens:
-                                                 request.num_computed_tokens + n],
-                               request.num_computed_tokens,
-                               self.kv_cache.get_block_ids(request.request_id))
-                 for request, n in zip(out.requests, out.num_scheduled_tokens.values(),
-                                       strict=True)]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = request.num_computed_tokens
+            start = request.num_computed_tokens
+            new = request.token_ids[start:start + out.num_scheduled_tokens[request.request_id]]
+            batch.append(SequenceBatch(new, start, out.block_ids[request.request_id]))
         logits = self.model.forward(batch)
         self.last_step_logits = {r.request_id: rows for r, rows
                                  in zip(out.requests, logits, strict=True)}
-        sampled = {}
+        sampled: dict[str, int] = {}
+        forks: list[tuple[EngineRequest, EngineRequest, int]] = []
         for request, rows in zip(out.requests, logits, strict=True):
-            n = out.num_scheduled_tokens[request.request_id]
-            if request.num_computed_tokens + n == request.num_tokens:
-                tracked = self.requests[request.request_id]
-                allowed = tracked.constraint.allowed(tracked.text) if tracked.constraint else None
-                sampled[request.request_id] = sample(rows[-1], tracked.params, tracked.rng,
-                                                     allowed)
-            if request.num_output_tokens == 0:
-                self.num_prompt_tokens += n
+            start = request.num_computed_tokens
+            if request.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(request, rows, start)
+            if start + len(rows) < request.num_tokens:
+                continue  # a prefill chunk: nothing to sample yet
+            if request.num_output_tokens == 0 and request.num_preemptions == 0:
+                self.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
+            sampled[request.request_id] = self._sample(request, rows[-1])
+            # The other choices sample their first token from the same logits.
+            forks += [(request, child, self._sample(child, rows[-1]))
+                      for child in self._pending_forks.pop(request.request_id, [])]
         now = time.monotonic()
         self.scheduler.update(out, now, sampled)
-        self.num_generation_tokens += len(sampled)
-        return [self._advance(self.requests[rid], token, now) for rid, token in sampled.items()]
+        for parent, child, token in forks:
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.num_cached_tokens = parent.num_cached_tokens
+            if not child.append_output_token(token, now):
+                self.model.copy_blocks(self.scheduler.fork_request(parent, child))
+        self.num_generation_tokens += len(sampled) + len(forks)
+        return [self._output(parent) for parent in dict.fromkeys(
+            r.parent_id for r in out.requests if r.request_id in sampled)]
 
-    def _advance(self, tracked: _Tracked, token: int, now: float) -> RequestOutput:
-        request, params = tracked.request, tracked.params
-        tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
-        tracked.metrics.last_token_time = now
-        outputs = request.token_ids[request.prompt_len:]
-        eos = self.tokenizer.eos_token_id
-        ends = not params.ignore_eos or tracked.constraint is not None  # a match may end here
-        if token in params.stop_token_ids or (token == eos and ends):
-            tracked.finish_reason, tracked.stop_reason = "stop", None if token == eos else token
-        tracked.text = self.tokenizer.decode(outputs)
-        for stop in params.stop:
-            cut = tracked.text.find(stop)
-            if cut != -1:
-                tracked.text = tracked.text[:cut]
-                tracked.finish_reason, tracked.stop_reason = "stop", stop
-                break
-        if tracked.finish_reason is None and request.num_output_tokens >= params.max_tokens:
-            tracked.finish_reason = "length"
-        if tracked.finish_reason is not None:
-            self.scheduler.finish_request(request, now)  # no-op when max_tokens ended it
-            tracked.metrics.finished_time = now
-            del self.requests[request.request_id]
-        return RequestOutput(
-            request.request_id, tracked.prompt, list(request.prompt_token_ids),
-            [CompletionOutput(0, tracked.text, list(outputs), tracked.finish_reason,
-                              tracked.stop_reason)],
-            tracked.finish_reason is not None, tracked.metrics, tracked.num_cached_tokens,
-            [token])
+    def _sample(self, request: EngineRequest, row: np.ndarray) -> int:
+        token = sample(row, request.params, request.rng, request.allowed)
+        if request.params.logprobs is not None:
+            request.logprobs.append(logprobs_of(row, token, request.params.logprobs,
+                                                self._token_text))
+        return token
+
+    def _record_prompt_logprobs(self, request: EngineRequest, rows: np.ndarray,
+                                start: int) -> None:
+        """Row ``j`` predicts the token after position ``start + j``: a prompt token's
+        logprob comes from the row before it (the first prompt token has none)."""
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)
+        num = request.params.prompt_logprobs
+        while len(request.prompt_logprobs) < request.prompt_len:
+            position = len(request.prompt_logprobs)  # the token whose logprob is next
+            row = position - 1 - start
+            if not 0 <= row < len(rows):
+                break  # recomputed after a preemption, or in a later chunk
+            request.prompt_logprobs.append(logprobs_of(
+                rows[row], request.token_ids[position], num, self._token_text))
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        choices = self.groups[parent_id]
+        first = choices[0]
+        finished = all(c.is_finished for c in choices)
+        if finished:
+            del self.groups[parent_id]
+        error = next((c.error for c in choices if c.error is not None), None)
+        prompt_logprobs = (first.prompt_logprobs
+                           if first.params.prompt_logprobs is not None else None)
+        return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids),
+                             [c.completion() for c in choices], finished,
+                             first.request_metrics(), first.num_cached_tokens,
+                             prompt_logprobs, error)
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate from JSON's "\ud800"
+            raise ParameterError("prompt", f"prompt is not valid Unicode: {err.reason} at "
+                                           f"character {err.start}") from None
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not token_ids:
+            raise ParameterError("prompt", "prompt must not be empty")
+        return token_ids
+
+    def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ParameterError("prompt", "prompt must not be empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+               for t in token_ids):
+            raise ParameterError("prompt", f"prompt token ids must be integers in "
+                                           f"[0, {self.vocab_size})")
+        return token_ids
+
+    def _constraint(self, params: SamplingParams
+                    ) -> tuple[RegexConstraint | None, np.ndarray | None]:
+        """The output constraint and its mask for the first token; refuse a dead end now."""
+        if params.regex is not None:
+            param, pattern = "regex", params.regex
+        elif params.structured_outputs is not None:
+            param, pattern = "structured_outputs", params.structured_outputs.to_regex()
+        else:
+            return None, None
+        if self._token_texts is None:
+            self._token_texts = [self._token_text(t) for t in range(self.tokenizer.vocab_size)]
+        try:
+            constraint = RegexConstraint(pattern, self._token_texts, self.tokenizer.eos_token_id)
+        except ValueError as err:
+            raise ParameterError(param, str(err)) from None
+        allowed = constraint.allowed("")
+        if not allowed.any():
+            raise ParameterError(param, f"{param}: no token of this model's vocabulary can "
+                                        f"start a match")
+        return constraint, allowed
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+
+def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    """vLLM's rule: the model's ``max_position_embeddings`` unless asked for less."""
+    limit = spec.max_position_embeddings or 2048
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ParameterError("max_model_len", f"max_model_len must be at most the model's "
+                                              f"max_position_embeddings ({limit}), "
+                                              f"got {requested}")
+    return requested
 
 
 class LLM:
@@ -235,9 +365,21 @@ class LLM:
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError("sampling_params: give one per prompt, or a single one")
+            raise ParameterError("sampling_params", "sampling_params: give one per prompt, "
+                                                    "or a single one")
+        return self._run([self.llm_engine.process_inputs(p, sp)
+                          for p, sp in zip(prompts, params, strict=True)], use_tqdm)
+
+    def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate a reply to one conversation, rendered with the model's chat template."""
+        tokenizer = self.llm_engine.tokenizer
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return self._run([self.llm_engine.process_inputs(ids, sampling_params)], use_tqdm)
+
+    def _run(self, requests: list[list[EngineRequest]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [engine.add_processed(choices) for choices in requests]
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids), use_tqdm)
         while len(finished) < len(ids):
@@ -247,13 +389,6 @@ class LLM:
                     progress.update(1)
         progress.close()
         return [finished[i] for i in ids]
-
-    def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate a reply to one conversation, rendered with the model's chat template."""
-        prompt = self.llm_engine.tokenizer.apply_chat_template(messages)
-        ids = self.llm_engine.tokenizer.encode(prompt)
-        return self.generate([ids], sampling_params, use_tqdm)
 
 
 def _progress(total: int, enabled: bool):

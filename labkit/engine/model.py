@@ -1,6 +1,6 @@
 """A Llama-family decoder in NumPy whose attention reads a paged KV cache (chapter 2.1).
 
-RMSNorm, rotary position embeddings (with Llama 3's frequency scaling), grouped-query
+RMSNorm, rotary position embeddings (theta and scaling as the config sets them), grouped-query
 attention through :func:`labkit.attention.paged_attention`, and the SwiGLU MLP; Qwen2's q/k/v
 biases and tied embeddings are read when the checkpoint has them. It computes in float32 and
 matches ``transformers``' ``LlamaForCausalLM`` on the same weights (a test checks the logits).
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from labkit.attention import PagedKVStore, paged_attention
+from labkit.checks import ParameterError
 from labkit.engine.weights import load_checkpoint
 from labkit.hardware import ModelSpec
 
@@ -52,6 +53,11 @@ class LlamaModel:
         """(Re)create one paged K/V store per layer, e.g. once the engine has sized the cache."""
         self.kv = [PagedKVStore(num_blocks, block_size, self.spec.num_kv_heads,
                                 self.spec.head_dim) for _ in range(self.spec.num_layers)]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src -> dst`` in every layer (a forked sequence's partial block)."""
+        for store in self.kv:
+            store.copy_blocks(copies)
 
     @classmethod
     def load(cls, model_dir: str | Path, num_blocks: int, block_size: int) -> LlamaModel:
@@ -133,17 +139,37 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def _rope_inv_freq(config: dict, head_dim: int) -> np.ndarray:
-    """Rotary frequencies; Llama 3.1+ rescales the low ones to stretch the context."""
-    theta = config.get("rope_theta", 10000.0)
+    """Rotary frequencies ``theta ** (-2i / head_dim)``, with theta and scaling from the config.
+
+    Theta sets the slowest rotation: Llama 2 used 10,000, Llama 3 uses 500,000 and Qwen2.5
+    1,000,000, so that far-apart positions still look different. A wrong theta fails
+    silently: the angles are off, a little between near tokens and much between far ones, and
+    the text just gets worse. So it must be read right, and it moved:
+    ``transformers`` 5 (``RotaryEmbeddingConfigMixin`` in ``modeling_rope_utils.py``) saves
+    every RoPE setting in one dict, ``rope_parameters`` (``rope_type``, ``rope_theta`` and the
+    scaling keys), where older configs have a top-level ``rope_theta`` and a ``rope_scaling``
+    dict. As there, ``rope_scaling`` wins when both dicts are present, and theta comes from
+    the dict, else the top level, else is 10,000. Scaling stretches the context a model was
+    trained on: ``linear`` divides every frequency by ``factor``; Llama 3.1's ``llama3``
+    divides only the low ones (long wavelengths) and blends in between.
+    """
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(key) or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    scaling = config.get("rope_scaling")
-    if not scaling:
+    if kind == "default":
         return inv_freq.astype(np.float32)
-    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv_freq / params["factor"]).astype(np.float32)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported by the teaching engine")
-    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        raise ParameterError(key, f"{key}: rope_type {kind!r} is not supported by the teaching "
+                                  f"engine; it runs 'default', 'linear' and 'llama3'")
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    # A top-level original_max_position_embeddings wins over the dict's (transformers' rule).
+    old_ctx = config.get("original_max_position_embeddings",
+                         params.get("original_max_position_embeddings",
+                                    config["max_position_embeddings"]))
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
     smooth = (old_ctx / wavelen - low) / (high - low)

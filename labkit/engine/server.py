@@ -2,114 +2,98 @@
 
 The same routes as ``vllm serve``: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (streaming over server-sent events or not), ``/health`` and
-``/metrics``. Errors come back as OpenAI-style JSON (``{"error": {"message", "type", "param",
-"code"}}``) with a 4xx status, so the official ``openai`` client raises its usual exceptions.
+``/metrics``. Every 4xx is an OpenAI error object (``{"error": {"message", "type", "param",
+"code"}}``), so the official ``openai`` client raises its usual exceptions. As with vLLM,
+``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and ``/health`` answers 503
+once the engine loop has died, so an orchestrator restarts the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Callable
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from labkit.engine.async_engine import AsyncLLMEngine
+from labkit.checks import ParameterError
+from labkit.engine import protocol
+from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from labkit.engine.outputs import RequestOutput
-from labkit.engine.sampling import SamplingParams
+from labkit.engine.protocol import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it is parsed
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 
 
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints; unknown fields are accepted and ignored, as vLLM does."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    regex: str | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict | None = None
-
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported by the teaching engine")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, max_tokens=max_tokens,
-                              stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-                              ignore_eos=self.ignore_eos, regex=self.regex)
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
 
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param))
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.param = status, message, param
 
 
-_PARAMS = {"prompt", "messages", "model", "temperature", "top_p", "top_k", "max_tokens", "n",
-           "seed", "stop", "stop_token_ids", "regex"}
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an engine error message starts with, if any."""
-    word = message.split(maxsplit=1)[0].rstrip(":") if message else ""
-    return word if word in _PARAMS else None
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None):
-    return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": type_, "param": param, "code": status}})
-
-
-def build_app(engine: AsyncLLMEngine) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI application serving ``engine``."""
-    app = FastAPI(title="labkit teaching engine", docs_url=None, redoc_url=None)
+    app = FastAPI(title="labkit teaching engine", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(_Authentication, api_key=api_key)
     tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    decode_one = engine.engine._token_text  # noqa: SLF001 - the engine's one token-text rule
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{param or 'body'}: {first['msg']}", "BadRequestError",
-                              param)
+        if first["type"] == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first['msg']}")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return error_response(400, f"{where}: {first['msg']}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(ParameterError)
+    async def _bad_parameter(_: Request, exc: ParameterError):
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError):
+        return error_response(503, str(exc))
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if engine.errored else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -119,84 +103,118 @@ def build_app(engine: AsyncLLMEngine) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "labkit", "max_model_len": max_model_len}]}
+            "owned_by": "labkit", "max_model_len": engine.engine.max_model_len}]}
 
-    def check_model(body: _Sampling) -> None:
-        if body.model != engine.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
-                           "model")
+    def check_model(model: str) -> None:
+        if model != engine.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    async def start(prompt, body: _Sampling, prefix: str):
-        check_model(body)
-        try:
-            params = body.sampling_params(default_max_tokens=16)
-            stream = engine.generate(prompt, params, f"{prefix}-{uuid.uuid4().hex}")
-            first = await stream.__anext__()  # raises ValueError for a bad prompt
-        except ValueError as err:
-            raise APIError(400, str(err), "BadRequestError", _param_of(str(err))) from None
+    async def start(prompt, params, prefix: str, add_special_tokens: bool):
+        """Queue the request; a request that fails at its first step is a 400 here."""
+        stream = engine.generate(prompt, params, f"{prefix}-{uuid.uuid4().hex}",
+                                 add_special_tokens=add_special_tokens)
+        first = await stream.__anext__()
+        if first.error is not None:
+            await stream.aclose()
+            raise first.error
         return stream, first
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        stream, first = await start(body.prompt, body, "cmpl")
+        check_model(body.model)
+        params = body.to_sampling_params()
+        prompt = body.single_prompt()
+        stream, first = await start(prompt, params, "cmpl", body.add_special_tokens)
         created = int(time.time())
+        echo = _prompt_text(first, tokenizer) if body.echo else ""
 
-        def chunk(output: RequestOutput, text: str, is_first: bool = False) -> dict:
-            c = output.outputs[0]
+        def choice(output: RequestOutput, index: int, text: str, tokens: slice) -> dict:
+            c = output.outputs[index]
+            logprobs = None
+            if c.logprobs is not None:
+                ids, entries = c.token_ids[tokens], c.logprobs[tokens]
+                offset = len(echo) + len(c.text) - len(text)  # where this piece starts
+                if body.echo and tokens.start == 0:  # the prompt's tokens come first
+                    ids = output.prompt_token_ids + ids
+                    entries = (output.prompt_logprobs or []) + entries
+                    offset = 0
+                logprobs = protocol.completion_logprobs(entries, ids, offset, decode_one)
+            if body.echo and tokens.start == 0:
+                text = echo + text
+            return {"index": index, "text": text, "logprobs": logprobs,
+                    **protocol.finish_fields(c)}
+
+        def chunk(output: RequestOutput, choices: list[dict]) -> dict:
             return {"id": output.request_id, "object": "text_completion", "created": created,
-                    "model": engine.model_name, "choices": [{
-                        "index": 0, "text": text, "logprobs": None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    "model": engine.model_name, "choices": choices}
 
         if body.stream:
-            return _sse(stream, first, chunk, body)
+            return _sse(stream, first, lambda o, i, t, s: chunk(o, [choice(o, i, t, s)]),
+                        chunk, body)
         final = await _collect(stream, first, http)
-        response = chunk(final, final.outputs[0].text)
-        response["usage"] = _usage(final)
+        if final is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        response = chunk(final, [choice(final, i, c.text, slice(0, None))
+                                 for i, c in enumerate(final.outputs)])
+        if final.prompt_logprobs is not None:
+            for c in response["choices"]:
+                c["prompt_logprobs"] = protocol.prompt_logprobs_json(final)
+        response["usage"] = protocol.usage(final)
         return response
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
-        messages = [m.model_dump() for m in body.messages]
+        check_model(body.model)
+        params = body.to_sampling_params()
         try:
-            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
-        except ValueError as err:
-            raise APIError(400, str(err), "BadRequestError", "messages") from None
-        stream, first = await start(prompt, body, "chatcmpl")
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template,
+                                             body.message_dicts(), body.add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as err:
+            raise ParameterError("messages", f"messages: {err}") from None
+        stream, first = await start(prompt, params, "chatcmpl", False)
         created = int(time.time())
+        num_top = params.logprobs or 0
 
-        def chunk(output: RequestOutput, text: str, is_first: bool = False) -> dict:
-            c = output.outputs[0]
-            delta = {"role": "assistant", "content": text} if is_first else {"content": text}
+        def logprobs(c, tokens: slice):
+            if c.logprobs is None:
+                return None
+            return protocol.chat_logprobs(c.logprobs[tokens], c.token_ids[tokens], num_top)
+
+        def chunk(output: RequestOutput, choices: list[dict]) -> dict:
             return {"id": output.request_id, "object": "chat.completion.chunk",
-                    "created": created, "model": engine.model_name, "choices": [{
-                        "index": 0, "delta": delta,
-                        "logprobs": None, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason}]}
+                    "created": created, "model": engine.model_name, "choices": choices}
+
+        def delta(output: RequestOutput, index: int, text: str, tokens: slice) -> dict:
+            c = output.outputs[index]
+            return chunk(output, [{"index": index, "delta": {"content": text},
+                                   "logprobs": logprobs(c, tokens),
+                                   **protocol.finish_fields(c)}])
 
         if body.stream:
-            return _sse(stream, first, chunk, body)
+            return _sse(stream, first, delta, chunk, body, role="assistant")
         final = await _collect(stream, first, http)
-        c = final.outputs[0]
+        if final is None:
+            return Response(status_code=499)
         return {"id": final.request_id, "object": "chat.completion", "created": created,
                 "model": engine.model_name, "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}],
-                "usage": _usage(final)}
+                    "index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs(c, slice(0, None)), **protocol.finish_fields(c)}
+                    for i, c in enumerate(final.outputs)],
+                "usage": protocol.usage(final)}
 
     return app
 
 
-def _usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def _prompt_text(output: RequestOutput, tokenizer) -> str:
+    if output.prompt is not None:
+        return output.prompt
+    return tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                   http: Request) -> RequestOutput:
-    """Run a non-streaming request to the end; abort it if the client goes away."""
+                   http: Request) -> RequestOutput | None:
+    """Run a non-streaming request to the end; ``None`` (and the request aborted, its blocks
+    freed) if the client went away first. A request that failed raises its error."""
 
     async def drain() -> RequestOutput:
         last = first
@@ -204,39 +222,124 @@ async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
             last = output
         return last
 
-    if first.finished:
-        return first
-    task = asyncio.create_task(drain())
-    while not task.done():
-        if await http.is_disconnected():
-            task.cancel()
-            await stream.aclose()  # aborts the request, freeing its KV blocks
-            raise asyncio.CancelledError
-        await asyncio.wait({task}, timeout=0.05)
-    return task.result()
+    final = first
+    if not first.finished:
+        task = asyncio.create_task(drain())
+        while not task.done():
+            if await http.is_disconnected():
+                task.cancel()
+                await stream.aclose()
+                return None
+            await asyncio.wait({task}, timeout=0.05)
+        final = task.result()
+    if final.error is not None:
+        raise final.error
+    return final
 
 
-def _sse(stream, first: RequestOutput, chunk, body: _Sampling) -> StreamingResponse:
-    """Server-sent events: one ``data:`` line per new piece of text, then ``[DONE]``."""
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+         delta: Callable[[RequestOutput, int, str, slice], dict],
+         chunk: Callable[[RequestOutput, list[dict]], dict], body,
+         role: str | None = None) -> StreamingResponse:
+    """Server-sent events: a chunk per choice whenever it gets a token, then ``[DONE]``.
+
+    Each chunk carries the part of the choice's text not sent before; the engine's outputs
+    only ever extend the text, so the chunks add up to the final text. An error after the
+    stream has started goes out as an error event, as vLLM sends it.
+    """
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events():
-        sent, output = "", first
+        n = len(first.outputs)
+        sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        output = first
         try:
+            if role is not None:  # chat: announce the speaker first, as OpenAI does
+                yield _event(chunk(first, [{"index": i, "delta": {"role": role, "content": ""},
+                                            "logprobs": None, "finish_reason": None}
+                                           for i in range(n)]))
             while True:
-                text = output.outputs[0].text
-                piece = chunk(output, text[len(sent):], is_first=output is first)
-                yield f"data: {json.dumps(piece)}\n\n"
-                sent = text
+                if output.error is not None:
+                    raise output.error
+                for i, c in enumerate(output.outputs):
+                    if done[i] or (len(c.token_ids) == sent_tokens[i] and not c.finished):
+                        continue
+                    piece = c.text[sent_text[i]:]
+                    yield _event(delta(output, i, piece, slice(sent_tokens[i], None)))
+                    sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), \
+                        c.finished
                 if output.finished:
                     break
                 output = await stream.__anext__()
             if include_usage:
-                usage = chunk(output, "")
-                usage["choices"], usage["usage"] = [], _usage(output)
-                yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield _event({**chunk(output, []), "usage": protocol.usage(output)})
+        except (ParameterError, EngineDeadError) as err:
+            status = 400 if isinstance(err, ParameterError) else 503
+            yield _event(error_body(status, str(err), getattr(err, "param", None)))
         finally:
             await stream.aclose()  # a client that disconnected mid-stream frees its blocks
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Authentication:
+    """vLLM's API-key check: ``Authorization: Bearer KEY`` on every ``/v1`` route."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith("/v1")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await error_response(401, "Unauthorized: a valid API key is required "
+                                          "(Authorization: Bearer ...)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuse request bodies over ``max_bytes`` with a 413, counting what actually arrives
+    (a client can send a body without ``Content-Length``). The body is read here, at most
+    ``max_bytes`` of it, and handed on to the application in one piece."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(413, f"the request body is larger than this server's "
+                                        f"limit of {self.max_bytes} bytes")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                return
+            body += event.get("body", b"")
+            if len(body) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not event.get("more_body", False):
+                break
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as Starlette expects
+
+        await self.app(scope, replay, send)

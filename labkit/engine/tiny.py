@@ -2,7 +2,9 @@
 
 The directory has what a Hugging Face model has: ``config.json``, ``model.safetensors`` and a
 byte-level BPE ``tokenizer.json`` trained here, offline, on a few paragraphs of text, plus a
-``tokenizer_config.json`` with a chat template. ``transformers``, vLLM and labkit's teaching
+``tokenizer_config.json`` with a chat template. As Llama 3's does, the tokenizer's
+post-processor puts ``<|begin_of_text|>`` (BOS) before every text encoded with special
+tokens, and the chat template writes it itself. ``transformers``, vLLM and labkit's teaching
 engine all load it; nothing is downloaded. Widths are multiples of 128 so the quantization
 tools of chapter 4 (group size 128) accept it.
 """
@@ -43,7 +45,7 @@ def write_tiny_model(path: str | Path, *, hidden_size: int = 128, intermediate_s
                      max_position_embeddings: int = 1024, seed: int = 0) -> Path:
     """Create a tiny random Llama model directory at ``path`` and return the path."""
     from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -54,6 +56,9 @@ def write_tiny_model(path: str | Path, *, hidden_size: int = 128, intermediate_s
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer)
+    bos = SPECIAL_TOKENS[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
     tokenizer.save(str(path / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
 
@@ -66,7 +71,7 @@ def write_tiny_model(path: str | Path, *, hidden_size: int = 128, intermediate_s
         "vocab_size": vocab, "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": tokenizer.token_to_id("<|begin_of_text|>"),
+        "bos_token_id": tokenizer.token_to_id(bos),
         "eos_token_id": tokenizer.token_to_id("<|end_of_text|>"),
         "torch_dtype": "float32",
     }

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.grading import Feedback, check_number
-from labkit.simulate.metrics import RequestMetrics
+from labkit.simulate.metrics import RequestLatencies
 
 
 def check_stop_params(params) -> Feedback:
@@ -61,7 +61,7 @@ def check_prefix_hit_rate(answer: object, metrics_text: str) -> Feedback:
 
 def check_tpot_ms(answer: object, start_s: float, token_times_s: Sequence[float]) -> Feedback:
     """Lab 02c: TPOT of one request from its send time and token arrival times."""
-    m = RequestMetrics.from_times("exercise", 0, start_s, token_times_s)
+    m = RequestLatencies.from_times("exercise", 0, start_s, token_times_s)
     n = len(token_times_s)
     mistakes = {"included the first token (TTFT) in the average": m.e2el_ms / n,
                 "divided by the number of tokens instead of tokens - 1":

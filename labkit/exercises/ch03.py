@@ -9,13 +9,14 @@ import numpy as np
 from labkit.grading import Feedback, check_number
 from labkit.hardware import get_model
 from labkit.kvcache import memory_waste
-from labkit.parallel import link_gb_s_per_direction, ring_all_reduce_s
+from labkit.parallel import allreduce_bytes_per_layer, link_gb_s_per_direction, ring_all_reduce_s
 from labkit.scheduling import static_decode_steps
+from labkit.units import cdiv
 
 
 def check_blocks_needed(answer: object, num_tokens: int = 50, block_size: int = 16) -> Feedback:
     """Lab 03a, exercise 1: blocks a sequence of ``num_tokens`` occupies."""
-    expected = -(-num_tokens // block_size)
+    expected = cdiv(num_tokens, block_size)
     return check_number(answer, expected, what=f"blocks for {num_tokens} tokens", rel_tol=0,
                         mistakes={"rounded down instead of up": num_tokens // block_size})
 
@@ -53,7 +54,7 @@ def check_static_steps(answer: object, output_lens: Sequence[int],
 def check_steps_to_first_token(answer: object, prompt_len: int = 1200,
                                max_num_batched_tokens: int = 512) -> Feedback:
     """Lab 03b, exercise 2: steps until the first token with chunked prefill, alone."""
-    expected = -(-prompt_len // max_num_batched_tokens)
+    expected = cdiv(prompt_len, max_num_batched_tokens)
     return check_number(answer, expected, what="steps to the first token", rel_tol=0,
                         mistakes={"rounded down": prompt_len // max_num_batched_tokens,
                                   "added a separate decode step": expected + 1})
@@ -95,7 +96,7 @@ def check_decode_allreduce_bytes(answer: object, model: str = "Llama-3-70B",
                                  batch_size: int = 1) -> Feedback:
     """Lab 03c, exercise 3: bytes each rank all-reduces per decode step, all layers."""
     spec = get_model(model)
-    expected = spec.num_layers * 2 * batch_size * spec.hidden_size * 2
+    expected = spec.num_layers * allreduce_bytes_per_layer(spec, batch_size)
     mistakes = {"counted one all-reduce per layer instead of two": expected / 2,
                 "counted one layer only": expected / spec.num_layers,
                 "used 4 bytes per value": expected * 2}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.checks import ParameterError, in_range, positive_int
 from labkit.hardware.dtypes import default_kv_dtype, weight_format
 from labkit.hardware.gpus import GPU, get_gpu
 from labkit.hardware.memory import (
@@ -20,11 +21,43 @@ from labkit.hardware.memory import (
     weight_bytes,
 )
 from labkit.hardware.models import ModelSpec, get_model
-from labkit.units import GiB
+from labkit.units import GiB, cdiv
 
 
-class DoesNotFitError(ValueError):
-    """The model, at these settings, leaves no room for the KV cache vLLM needs."""
+class DoesNotFitError(ParameterError):
+    """The model, at these settings, leaves no room for the KV cache vLLM needs (a
+    ``ValueError``; ``param`` names the setting at fault when there is one)."""
+
+
+def num_kv_blocks(budget_bytes: float, *, weights_bytes: float, activations_bytes: float,
+                  block_bytes: int, overhead_bytes: float = 0.0) -> int:
+    """Whole KV blocks that fit in what the weights, activations and overhead leave (ch. 1.3).
+
+    vLLM's rule: its share of the device, ``gpu_memory_utilization * total``, minus the weights,
+    the peak activations of the profiling run and the runtime overhead, rounded down to whole
+    blocks of ``block_bytes`` (``block_size`` tokens of KV over all layers); none when nothing
+    is left.
+    """
+    free = budget_bytes - weights_bytes - activations_bytes - overhead_bytes
+    return max(0, int(free // block_bytes))
+
+
+def check_sequence_fits(num_tokens: int, num_blocks: int, block_size: int, what: str,
+                        remedy: str = "", param: str | None = None) -> None:
+    """Raise :class:`DoesNotFitError` if one sequence of ``num_tokens`` tokens needs more KV
+    blocks than the whole cache has: it could never run (chapter 1.3).
+
+    vLLM refuses to start when ``max_model_len`` does not fit; a scheduler refuses a request
+    that does not. ``what`` names the sequence in the message, ``remedy`` says what to change
+    and ``param`` is the parameter at fault, if any.
+    """
+    needed = cdiv(num_tokens, block_size)
+    if needed > num_blocks:
+        raise DoesNotFitError(
+            param,
+            f"{what} needs {needed} blocks of {block_size} tokens, more than the cache's "
+            f"{num_blocks} blocks (only {num_blocks * block_size} tokens fit)"
+            + (f". {remedy}" if remedy else ""))
 
 
 def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int]:
@@ -71,7 +104,7 @@ class KVCachePlan:
 
     @property
     def blocks_per_sequence(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
     @property
     def max_concurrency(self) -> float:
@@ -112,14 +145,9 @@ def plan_kv_cache(model: ModelSpec | str, gpu: GPU | str, tensor_parallel_size: 
     sequence of ``max_model_len`` tokens.
     """
     model, gpu = get_model(model), get_gpu(gpu)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    max_model_len = max_model_len or model.max_position_embeddings
-    if not isinstance(max_model_len, int) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+    in_range("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
+    positive_int("block_size", block_size)
+    max_model_len = positive_int("max_model_len", max_model_len or model.max_position_embeddings)
     default_tokens, default_seqs = vllm_batch_defaults(gpu)
     max_num_batched_tokens = max_num_batched_tokens or default_tokens
     max_num_seqs = max_num_seqs or default_seqs
@@ -131,28 +159,25 @@ def plan_kv_cache(model: ModelSpec | str, gpu: GPU | str, tensor_parallel_size: 
     weights = weight_bytes(model, fmt, tp)
     activations = activation_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     overhead = overhead_gib * GiB
-    block_bytes = block_size * kv_cache_bytes_per_token(model, kv_dtype, tp)
-    free = budget - weights - activations - overhead
-    plan = KVCachePlan(
-        model=model.name, gpu=gpu.name, tensor_parallel_size=tp,
-        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        max_model_len=max_model_len, weight_dtype=fmt.name, kv_dtype=kv_dtype,
-        budget_gib=budget / GiB, weights_gib=weights / GiB, activations_gib=activations / GiB,
-        overhead_gib=overhead_gib, block_bytes=block_bytes,
-        num_gpu_blocks=max(0, int(free // block_bytes)),
-    )
-    if free <= 0:
+    if budget <= weights + activations + overhead:
         raise DoesNotFitError(
+            None,
             f"No available memory for the cache blocks: {model.name} needs "
             f"{(weights + activations + overhead) / GiB:.1f} GiB per GPU before any KV cache, "
             f"but {gpu_memory_utilization} x {gpu.name} gives {budget / GiB:.1f} GiB. "
             f"Use more GPUs (tensor_parallel_size), a smaller weight_dtype or a larger "
             f"gpu_memory_utilization."
         )
-    if plan.kv_cache_tokens < max_model_len:
-        raise DoesNotFitError(
-            f"max_model_len={max_model_len} needs {plan.blocks_per_sequence} blocks, but only "
-            f"{plan.num_gpu_blocks} fit ({plan.kv_cache_tokens} tokens). Lower max_model_len "
-            f"or free memory (more GPUs, fp8 KV cache, quantized weights)."
-        )
-    return plan
+    block_bytes = block_size * kv_cache_bytes_per_token(model, kv_dtype, tp)
+    num_blocks = num_kv_blocks(budget, weights_bytes=weights, activations_bytes=activations,
+                               overhead_bytes=overhead, block_bytes=block_bytes)
+    check_sequence_fits(max_model_len, num_blocks, block_size, f"max_model_len={max_model_len}",
+                        "Lower max_model_len or free memory (more GPUs, fp8 KV cache, "
+                        "quantized weights).", param="max_model_len")
+    return KVCachePlan(
+        model=model.name, gpu=gpu.name, tensor_parallel_size=tp,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+        max_model_len=max_model_len, weight_dtype=fmt.name, kv_dtype=kv_dtype,
+        budget_gib=budget / GiB, weights_gib=weights / GiB, activations_gib=activations / GiB,
+        overhead_gib=overhead_gib, block_bytes=block_bytes, num_gpu_blocks=num_blocks,
+    )

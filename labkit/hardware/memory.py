@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.checks import ParameterError, in_range, positive_int
 from labkit.hardware.dtypes import WeightFormat, default_kv_dtype, kv_dtype_bytes, weight_format
 from labkit.hardware.gpus import GPU, get_gpu
 from labkit.hardware.models import ModelSpec, get_model
@@ -21,27 +22,38 @@ from labkit.units import GiB
 DEFAULT_OVERHEAD_GIB = 1.0
 
 
+def tp_shard(size: int, tensor_parallel_size: int, what: str,
+             param: str = "tensor_parallel_size") -> int:
+    """The share of ``size`` (heads, a layer's width) each of ``tensor_parallel_size`` ranks
+    holds (chapters 1.3 and 3.4).
+
+    vLLM splits attention heads and linear layers evenly (its ``divide``), so the TP size must
+    divide ``size``. ``what`` names the size in the message, ``param`` the caller's TP argument.
+    """
+    positive_int(param, tensor_parallel_size)
+    if size % tensor_parallel_size:
+        raise ParameterError(param, f"{param} ({tensor_parallel_size}) must divide {what} "
+                                    f"({size})")
+    return size // tensor_parallel_size
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int,
+                      param: str = "tensor_parallel_size") -> int:
+    """KV heads each rank stores: split when the TP size divides them, one replicated head per
+    rank when they divide the TP size; any other pair is refused (chapters 1.3 and 3.4)."""
+    tp = positive_int(param, tensor_parallel_size)
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ParameterError(param, f"{param} ({tp}) and num_kv_heads ({num_kv_heads}) must "
+                                    f"divide one another")
+    return max(1, num_kv_heads // tp)
+
+
 def check_tensor_parallel(model: ModelSpec, tensor_parallel_size: int) -> None:
-    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs (ch. 1.3)."""
-    tp = tensor_parallel_size
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if model.num_attention_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size ({tp}) must divide num_attention_heads "
-            f"({model.num_attention_heads}) of {model.name}"
-        )
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size ({tp}) and num_kv_heads ({model.num_kv_heads}) of "
-            f"{model.name} must divide one another"
-        )
-
-
-def kv_heads_per_gpu(model: ModelSpec, tensor_parallel_size: int = 1) -> int:
-    """KV heads each rank stores: split when possible, one replicated head otherwise (ch. 1.3)."""
-    check_tensor_parallel(model, tensor_parallel_size)
-    return max(1, model.num_kv_heads // tensor_parallel_size)
+    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs (ch. 1.3):
+    the attention heads, the KV heads and the MLP's intermediate size must split evenly."""
+    tp_shard(model.num_attention_heads, tensor_parallel_size, "num_attention_heads")
+    kv_heads_per_rank(model.num_kv_heads, tensor_parallel_size)
+    tp_shard(model.intermediate_size, tensor_parallel_size, "intermediate_size")
 
 
 def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
@@ -52,7 +64,8 @@ def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
     not the attention heads, which is the whole saving of grouped-query attention.
     """
     model = get_model(model)
-    heads = kv_heads_per_gpu(model, tensor_parallel_size)
+    check_tensor_parallel(model, tensor_parallel_size)
+    heads = kv_heads_per_rank(model.num_kv_heads, tensor_parallel_size)
     return 2 * model.num_layers * heads * model.head_dim * kv_dtype_bytes(kv_dtype)
 
 
@@ -88,8 +101,8 @@ def activation_bytes(model: ModelSpec | str, num_tokens: int, num_seqs: int,
     """
     model = get_model(model)
     check_tensor_parallel(model, tensor_parallel_size)
-    if num_tokens < 1 or num_seqs < 1:
-        raise ValueError(f"num_tokens and num_seqs must be >= 1, got {num_tokens}, {num_seqs}")
+    positive_int("num_tokens", num_tokens)
+    positive_int("num_seqs", num_seqs)
     tp = tensor_parallel_size
     qkv = (model.q_size + 2 * model.kv_size) / tp
     mlp = 3 * model.intermediate_size * model.experts_per_token / tp
@@ -144,13 +157,11 @@ def estimate_vram(model: ModelSpec | str, weight_dtype: str = "bf16", kv_dtype: 
     as chunked prefill does; ``None`` prefills the whole batch at once.
     """
     model = get_model(model)
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    if overhead_gib < 0:
-        raise ValueError(f"overhead_gib must be >= 0, got {overhead_gib}")
+    positive_int("seq_len", seq_len)
+    positive_int("batch_size", batch_size)
+    if max_num_batched_tokens is not None:
+        positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    in_range("overhead_gib", overhead_gib, 0)
     fmt = weight_format(weight_dtype)
     kv_dtype = kv_dtype or default_kv_dtype(fmt)
     tp = tensor_parallel_size

@@ -16,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from labkit.checks import positive_int
+
 # Config keys of architectures whose memory this module does not model; better an error
 # than a silently wrong count.
 _UNSUPPORTED_KEYS = {
@@ -85,9 +87,7 @@ class ModelSpec:
         for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
                       "head_dim", "intermediate_size", "vocab_size", "num_experts",
                       "experts_per_token"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+            positive_int(field, getattr(self, field))
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -98,8 +98,8 @@ class ModelSpec:
                 f"experts_per_token ({self.experts_per_token}) must be <= num_experts "
                 f"({self.num_experts})"
             )
-        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
-            raise ValueError("max_position_embeddings must be positive when given")
+        if self.max_position_embeddings is not None:
+            positive_int("max_position_embeddings", self.max_position_embeddings)
 
     @property
     def is_moe(self) -> bool:

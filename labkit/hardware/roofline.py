@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit.checks import positive_int
 from labkit.hardware.dtypes import weight_format
 from labkit.hardware.gpus import GPU, get_gpu
 from labkit.hardware.memory import check_tensor_parallel, kv_cache_bytes_per_token
@@ -133,7 +134,8 @@ def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context
     the step touches plus every sequence's KV cache. FLOPs: ``2 x`` active parameters per
     sequence plus attention over the context.
     """
-    _check_positive(batch_size=batch_size, context_len=context_len)
+    positive_int("batch_size", batch_size)
+    positive_int("context_len", context_len)
     return step_bound(model, gpu, [(1, context_len - 1)] * batch_size, weight_dtype, kv_dtype,
                       tensor_parallel_size)
 
@@ -146,7 +148,8 @@ def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_
     Causal attention: token ``i`` attends to ``i`` tokens, ``P(P+1)/2`` pairs per prompt.
     Bytes: the weights once plus the KV cache written for every prompt token.
     """
-    _check_positive(batch_size=batch_size, prompt_len=prompt_len)
+    positive_int("batch_size", batch_size)
+    positive_int("prompt_len", prompt_len)
     return step_bound(model, gpu, [(prompt_len, 0)] * batch_size, weight_dtype, kv_dtype,
                       tensor_parallel_size)
 
@@ -172,9 +175,3 @@ def decode_compute_bound_batch(model: ModelSpec | str, gpu: GPU | str, context_l
         else:
             lo = mid + 1
     return lo
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.checks import positive_int
 from labkit.hardware.gpus import GPU, get_gpu, list_gpus
 from labkit.hardware.kv_budget import DoesNotFitError, KVCachePlan, plan_kv_cache
 from labkit.hardware.memory import check_tensor_parallel
@@ -65,10 +66,8 @@ def select_gpu(model: ModelSpec | str, max_model_len: int = 8192, concurrency: i
     FP8 is offered only on GPUs with FP8 tensor cores. Raises ``ValueError`` when nothing fits.
     """
     model = get_model(model)
-    if not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
-    if not isinstance(max_gpus, int) or max_gpus < 1:
-        raise ValueError(f"max_gpus must be a positive integer, got {max_gpus!r}")
+    positive_int("concurrency", concurrency)
+    positive_int("max_gpus", max_gpus)
     candidates = [get_gpu(g) for g in gpus] if gpus is not None else list_gpus()
     options: list[Recommendation] = []
     for gpu in candidates:

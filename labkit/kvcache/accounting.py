@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit.checks import positive_int
+from labkit.units import cdiv
+
 
 @dataclass(frozen=True)
 class MemoryWaste:
@@ -32,10 +35,9 @@ class MemoryWaste:
 
 def memory_waste(seq_lens: Sequence[int], block_size: int, max_model_len: int) -> MemoryWaste:
     """Slots reserved for sequences of final lengths ``seq_lens`` (prompt + output)."""
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    positive_int("block_size", block_size)
     if any(n < 1 or n > max_model_len for n in seq_lens):
         raise ValueError(f"every sequence length must be in [1, max_model_len={max_model_len}]")
     used = sum(seq_lens)
-    paged = sum(-(-n // block_size) * block_size for n in seq_lens)
+    paged = sum(cdiv(n, block_size) * block_size for n in seq_lens)
     return MemoryWaste(used, paged, max_model_len * len(seq_lens))

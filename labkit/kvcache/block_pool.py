@@ -13,18 +13,33 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from labkit.checks import positive_int
 from labkit.kvcache.hashing import BlockHash
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
-    """One block of ``block_size`` token slots in every layer's K and V cache."""
+    """One block of ``block_size`` token slots in every layer's K and V cache.
+
+    A block id names a place in memory, not what it holds: once a block is evicted, the same
+    id holds other tokens. ``generation`` counts how often the block was handed out, so
+    :attr:`content_id`, the pair of both, names one content and is never reused. A cached
+    block records its parent's ``content_id`` (the block holding the prefix before it): when
+    that parent is reused for another prefix, the child no longer matches any lookup.
+    """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    parent_content_id: tuple[int, int] | None = None  # while cached; None for a first block
+    generation: int = 0
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+    @property
+    def content_id(self) -> tuple[int, int]:
+        """``(block_id, generation)``: names what the block holds now."""
+        return self.block_id, self.generation
 
     def __repr__(self) -> str:
         cached = self.block_hash is not None
@@ -74,13 +89,12 @@ class BlockPool:
     """All KV blocks of one GPU, with reference counts and the prefix-cache index (ch. 3.1)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        positive_int("num_blocks", num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # hash value -> block holding that prefix
+        self.cached: dict[int, KVCacheBlock] = {}  # hash value -> the block cached under it
         self.num_evictions = 0
 
     @property
@@ -100,14 +114,23 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             self._evict(block)
+            block.generation += 1  # new content: links recorded to the old one stop matching
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The block holding exactly this prefix, if cached; tokens are compared too."""
+    def get_cached_block(self, block_hash: BlockHash,
+                         parent: KVCacheBlock | None) -> KVCacheBlock | None:
+        """The cached block holding ``block_hash``'s tokens right after ``parent``'s prefix.
+
+        ``parent`` is the block a lookup matched one position earlier (``None`` at the first
+        block). The value finds a candidate in O(1); equal tokens and the same parent prove
+        that the whole prefix matches, by induction from the first block. A hash collision is
+        therefore a miss, never somebody else's KV.
+        """
         block = self.cached.get(block_hash.value)
-        if block is None or block.block_hash != block_hash:  # a hash collision is a miss
+        if (block is None or block.block_hash != block_hash
+                or block.parent_content_id != _content_id(parent)):
             return None
         return block
 
@@ -118,13 +141,15 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Record that ``block`` now holds the full block ``block_hash`` names."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                    parent: KVCacheBlock | None) -> None:
+        """Record that ``block``, following ``parent`` in its sequence, now holds the full
+        block ``block_hash`` names."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash.value in self.cached:  # same prefix computed twice: keep the first
+        if block_hash.value in self.cached:  # the same prefix twice, or a collision: keep one
             return
-        block.block_hash = block_hash
+        block.block_hash, block.parent_content_id = block_hash, _content_id(parent)
         self.cached[block_hash.value] = block
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -143,5 +168,9 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash.value]
-            block.block_hash = None
+            block.block_hash = block.parent_content_id = None
             self.num_evictions += 1
+
+
+def _content_id(block: KVCacheBlock | None) -> tuple[int, int] | None:
+    return block.content_id if block is not None else None

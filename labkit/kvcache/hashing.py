@@ -1,9 +1,18 @@
 """Chained block hashes for prefix caching (chapter 3.1).
 
-A full block is named by the hash of its parent block's hash and its own token ids, so a block
-hash stands for the whole prefix up to its end, not just its own tokens. Each ``BlockHash``
-keeps its tokens and its parent: two prefixes whose hash values collide still compare unequal,
-so they never share KV (a silent correctness bug no speed-up is worth).
+A full block is named by the hash of its parent block's hash value and its own token ids, so
+one integer stands for the whole prefix up to the end of the block. A request hashes each of
+its blocks once, when the block fills, and keeps the list (``Request.block_hashes``, as vLLM
+does): prefix lookups and caching read that list and never hash the prompt again.
+
+A hash value alone proves nothing: two different prefixes can collide, and sharing KV on a
+collision would be a silent wrong answer. So a ``BlockHash`` also keeps its block's own
+tokens, and the block pool records which physical block held the prefix before each cached
+block (:class:`~labkit.kvcache.BlockPool`). A lookup walks a prompt from its first block:
+equal value, equal tokens and the parent it has just matched prove the whole prefix by
+induction, at O(block_size) per block. Keeping the parent hash inside each hash instead would
+make every comparison walk the whole prefix: quadratic time, and a ``RecursionError`` on a
+prompt of a few hundred blocks.
 """
 
 from __future__ import annotations
@@ -11,35 +20,56 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from labkit.checks import positive_int
+
 HashFn = Callable[[tuple], int]
 
 
 @dataclass(frozen=True)
 class BlockHash:
-    """A block's chained hash value, with the prefix that produced it.
-
-    Equality compares the value, the tokens and, recursively, the parent: the whole prefix.
-    """
+    """A full block's chained hash value and its own token ids; equality compares both."""
 
     value: int
     token_ids: tuple[int, ...]
-    parent: BlockHash | None = None
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
                       hash_fn: HashFn = hash) -> BlockHash:
-    """The hash of one full block, chained to its parent's."""
+    """The hash of one full block, chained to its parent's (``None`` for a first block)."""
     parent_value = parent.value if parent is not None else None
     tokens = tuple(token_ids)
-    return BlockHash(hash_fn((parent_value, tokens)), tokens, parent)
+    return BlockHash(hash_fn((parent_value, tokens)), tokens)
+
+
+@dataclass(frozen=True)
+class BlockHasher:
+    """Hashes the full blocks of a growing sequence, each block once (vLLM's block hasher).
+
+    The KV cache manager owns one (its ``block_size`` and ``hash_fn``); the scheduler gives it
+    to every request, which then extends its ``block_hashes`` whenever a token fills a block.
+    """
+
+    block_size: int
+    hash_fn: HashFn = hash
+
+    def __post_init__(self) -> None:
+        positive_int("block_size", self.block_size)
+
+    def extend(self, block_hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
+        """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` that it
+        does not have yet; a partial last block gets none until it fills."""
+        size = self.block_size
+        start = len(block_hashes) * size  # the first token not in a hashed block
+        while start + size <= len(token_ids):
+            parent = block_hashes[-1] if block_hashes else None
+            block_hashes.append(hash_block_tokens(parent, token_ids[start:start + size],
+                                                  self.hash_fn))
+            start += size
 
 
 def hash_request_blocks(token_ids: Sequence[int], block_size: int,
                         hash_fn: HashFn = hash) -> list[BlockHash]:
     """Chained hashes of every *full* block of ``token_ids``; a partial tail gets none."""
-    hashes: list[BlockHash] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], hash_fn)
-        hashes.append(parent)
-    return hashes
+    block_hashes: list[BlockHash] = []
+    BlockHasher(block_size, hash_fn).extend(block_hashes, token_ids)
+    return block_hashes

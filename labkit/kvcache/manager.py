@@ -9,9 +9,15 @@ attention kernel (:mod:`labkit.attention`) reads K and V through them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
+from typing import TypeVar
 
+from labkit.checks import positive_int
 from labkit.kvcache.block_pool import BlockPool, KVCacheBlock
-from labkit.kvcache.hashing import BlockHash, HashFn, hash_block_tokens, hash_request_blocks
+from labkit.kvcache.hashing import BlockHash, BlockHasher, HashFn
+from labkit.units import cdiv
+
+T = TypeVar("T")
 
 
 class KVCacheManager:
@@ -19,15 +25,19 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_fn: HashFn = hash) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        positive_int("block_size", block_size)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hash_fn = hash_fn
+        # What requests name their blocks with; None when nothing is cached, so nothing hashed.
+        self.block_hasher = BlockHasher(block_size, hash_fn) if enable_prefix_caching else None
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids: cheap to copy
         self.req_num_slots: dict[str, int] = {}
+        # Each request's chained block hashes (its own list when it keeps one), and how many of
+        # its leading full blocks have been offered to the prefix cache.
         self.req_block_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_cached_blocks: dict[str, int] = {}
         # vLLM's prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -43,38 +53,47 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: logical block i lives in physical block ids[i]."""
-        return [b.block_id for b in self._blocks_of(request_id)]
+        return list(_of_request(self.req_block_ids, request_id))
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
-        """Cached blocks matching the longest prefix of ``token_ids``, and their token count.
+    def get_computed_blocks(self, block_hashes: Sequence[BlockHash],
+                            num_tokens: int) -> tuple[list[KVCacheBlock], int]:
+        """Cached blocks holding the longest cached prefix of a request, and its token count.
 
-        The last token is never taken from the cache, even when the whole prompt is cached:
-        the model must run on it to produce the logits of the first output token.
+        ``block_hashes`` are the request's full-block hashes (``Request.block_hashes``, or
+        :func:`~labkit.kvcache.hash_request_blocks` of its tokens) and ``num_tokens`` its
+        length. Nothing is hashed here: a request that waits and asks again every step pays
+        one dictionary lookup per block. The last token is never taken from the cache, even
+        when the whole prompt is cached: the model must run on it to produce the logits of
+        the first output token.
         """
-        if not self.enable_prefix_caching or not token_ids:
+        if not self.enable_prefix_caching or num_tokens < 1:
             return [], 0
-        usable = (len(token_ids) - 1) // self.block_size * self.block_size
         hits: list[KVCacheBlock] = []
-        for block_hash in hash_request_blocks(token_ids[:usable], self.block_size, self.hash_fn):
-            block = self.block_pool.get_cached_block(block_hash)
+        for block_hash in islice(block_hashes, (num_tokens - 1) // self.block_size):
+            block = self.block_pool.get_cached_block(block_hash, hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
-                       computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+                       computed_blocks: Sequence[KVCacheBlock] = (),
+                       block_hashes: list[BlockHash] | None = None) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request_id``.
 
         ``token_ids`` are all the request's tokens known so far; ``computed_blocks`` (first
-        call only) are its prefix-cache hits. Returns the newly taken blocks, or ``None`` with
-        nothing changed when too few blocks are free: the scheduler then preempts or waits.
-        Full blocks are registered in the prefix cache as soon as their slots exist.
+        call only) are its prefix-cache hits. ``block_hashes`` is the request's own list of
+        block hashes when it keeps one (``Request.block_hashes``); the manager holds on to it
+        from the first call and caches full blocks under those hashes. Without it the manager
+        keeps a list for the request itself. Either way each block is hashed once.
+
+        Returns the newly taken blocks, or ``None`` with nothing changed when too few blocks
+        are free: the scheduler then preempts or waits. Full blocks are registered in the
+        prefix cache as soon as their slots exist.
         """
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+        positive_int("num_new_tokens", num_new_tokens)
         known = request_id in self.req_to_blocks
         if known and computed_blocks:
             raise ValueError(f"request {request_id!r} already has blocks; cached prefix blocks "
@@ -85,7 +104,7 @@ class KVCacheManager:
         if total > len(token_ids):
             raise ValueError(f"request {request_id!r}: {total} slots asked for but only "
                              f"{len(token_ids)} tokens are known")
-        blocks_needed = -(-total // self.block_size)
+        blocks_needed = cdiv(total, self.block_size)
         if blocks_needed > self.num_blocks:
             raise ValueError(f"request {request_id!r} needs {blocks_needed} blocks; the cache "
                              f"has {self.num_blocks} in all")
@@ -98,22 +117,29 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         if not known:
             self.req_to_blocks[request_id] = blocks = list(computed_blocks)
-            self.req_block_hashes[request_id] = [b.block_hash for b in computed_blocks]
+            self.req_block_ids[request_id] = [b.block_id for b in computed_blocks]
+            self.req_block_hashes[request_id] = (
+                block_hashes if block_hashes is not None
+                else [b.block_hash for b in computed_blocks])
+            self.req_num_cached_blocks[request_id] = len(computed_blocks)
         blocks.extend(new_blocks)
+        self.req_block_ids[request_id].extend([b.block_id for b in new_blocks])
         self.req_num_slots[request_id] = total
         self._cache_full_blocks(request_id, token_ids, total)
         return new_blocks
 
-    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
+    def fork(self, parent_id: str, child_id: str,
+             block_hashes: list[BlockHash] | None = None) -> list[tuple[int, int]] | None:
         """Start ``child_id`` as a copy of ``parent_id`` (parallel sampling, beam search).
 
         Full blocks are shared (reference counted); a partly filled last block is copied to a
-        fresh block, since both sequences will write to it. Returns the ``(src, dst)`` block
-        copies the engine must perform, or ``None`` when no block is free for the copy.
+        fresh block, since both sequences will write to it. ``block_hashes`` is the child's
+        own list, as in :meth:`allocate_slots`. Returns the ``(src, dst)`` block copies the
+        engine must perform, or ``None`` with nothing changed when no block is free for the copy.
         """
         if child_id in self.req_to_blocks:
             raise ValueError(f"request {child_id!r} already exists")
-        blocks = self._blocks_of(parent_id)
+        blocks = _of_request(self.req_to_blocks, parent_id)
         slots = self.req_num_slots[parent_id]
         shared = blocks[: slots // self.block_size]
         partial = blocks[len(shared):]
@@ -122,30 +148,38 @@ class KVCacheManager:
         self.block_pool.touch(shared)
         copies = self.block_pool.get_new_blocks(len(partial))
         self.req_to_blocks[child_id] = shared + copies
+        self.req_block_ids[child_id] = [b.block_id for b in shared + copies]
         self.req_num_slots[child_id] = slots
-        self.req_block_hashes[child_id] = list(self.req_block_hashes[parent_id])
+        self.req_block_hashes[child_id] = (
+            block_hashes if block_hashes is not None
+            else self.req_block_hashes[parent_id][:len(shared)])
+        self.req_num_cached_blocks[child_id] = len(shared)  # the parent offered them already
         return [(src.block_id, dst.block_id) for src, dst in zip(partial, copies, strict=True)]
 
     def free(self, request_id: str) -> None:
         """Release a finished, aborted or preempted request's blocks (cached ones stay cached)."""
-        blocks = self._blocks_of(request_id)
+        blocks = _of_request(self.req_to_blocks, request_id)
         self.block_pool.free_blocks(reversed(blocks))
-        del self.req_to_blocks[request_id], self.req_num_slots[request_id]
-        del self.req_block_hashes[request_id]
+        del self.req_to_blocks[request_id], self.req_block_ids[request_id]
+        del self.req_num_slots[request_id]
+        del self.req_block_hashes[request_id], self.req_num_cached_blocks[request_id]
 
-    def _blocks_of(self, request_id: str) -> list[KVCacheBlock]:
-        try:
-            return self.req_to_blocks[request_id]
-        except KeyError:
-            raise ValueError(f"unknown request {request_id!r}") from None
-
-    def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], total: int) -> None:
-        if not self.enable_prefix_caching:
+    def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int],
+                           num_slots: int) -> None:
+        """Offer the request's newly full blocks to the prefix cache, each after its parent."""
+        num_full, first = num_slots // self.block_size, self.req_num_cached_blocks[request_id]
+        if self.block_hasher is None or num_full == first:  # most decode steps fill no block
             return
-        hashes = self.req_block_hashes[request_id]
+        block_hashes = self.req_block_hashes[request_id]
+        self.block_hasher.extend(block_hashes, token_ids)  # no-op if the request hashed them
         blocks = self.req_to_blocks[request_id]
-        for i in range(len(hashes), total // self.block_size):
-            parent = hashes[-1] if hashes else None
-            tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
-            hashes.append(hash_block_tokens(parent, tokens, self.hash_fn))
-            self.block_pool.cache_block(blocks[i], hashes[-1])
+        for i in range(first, num_full):
+            self.block_pool.cache_block(blocks[i], block_hashes[i], blocks[i - 1] if i else None)
+        self.req_num_cached_blocks[request_id] = num_full
+
+
+def _of_request(table: dict[str, T], request_id: str) -> T:
+    try:
+        return table[request_id]
+    except KeyError:
+        raise ValueError(f"unknown request {request_id!r}") from None

@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from labkit.checks import positive_int
+
 
 @dataclass(eq=False)
 class TreeNode:
@@ -34,8 +36,7 @@ class RadixCache:
     """A radix tree of cached sequences over ``capacity`` KV token slots."""
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        positive_int("capacity", capacity)
         self.capacity = capacity
         self.free_slots = list(range(capacity - 1, -1, -1))
         self.root = TreeNode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit.kvcache.hashing import hash_request_blocks
 from labkit.kvcache.manager import KVCacheManager
 from labkit.kvcache.radix import RadixCache
 
@@ -37,8 +38,9 @@ def prefix_hit_rates(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[i
         prompt = seq[:prompt_len]
         prompt_tokens += prompt_len
 
-        blocks, hit = paged.get_computed_blocks(prompt)
-        if paged.allocate_slots(str(i), seq, len(seq) - hit, blocks) is None:
+        block_hashes = hash_request_blocks(seq, block_size)  # the prompt's blocks come first
+        blocks, hit = paged.get_computed_blocks(block_hashes, prompt_len)
+        if paged.allocate_slots(str(i), seq, len(seq) - hit, blocks, block_hashes) is None:
             raise ValueError(f"sequence {i} ({len(seq)} tokens) exceeds the cache")
         paged.free(str(i))
         paged_hits += hit

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.checks import in_range
+from labkit.quant.rtn import check_group_size, code_range, quant_params
+
 
 @dataclass(frozen=True)
 class GPTQResult:
@@ -41,10 +44,8 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
     out, inp = w.shape
     if x.ndim != 2 or x.shape[1] != inp:
         raise ValueError(f"x must be [tokens, {inp}], got shape {x.shape}")
-    if group_size < 1 or inp % group_size:
-        raise ValueError(f"group_size ({group_size}) must divide the input width ({inp})")
-    if not 0 < damp < 1:
-        raise ValueError(f"damp must be in (0, 1), got {damp}")
+    check_group_size(inp, group_size)
+    in_range("damp", damp, 0, 1, low_open=True, high_open=True)
     h = 2 * x.T @ x / len(x)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
@@ -54,7 +55,7 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
     h[np.diag_indices(inp)] += damp * np.mean(np.diag(h))
     hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper Cholesky factor of H^-1
 
-    qmax = 2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1
+    qmin, qmax = code_range(bits, symmetric)
     codes = np.zeros((out, inp), np.int64)
     deq = np.zeros((out, inp))
     scales = np.zeros((out, inp // group_size))
@@ -62,7 +63,7 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
     if static_groups:
         for g in range(inp // group_size):
             columns = (np.arange(inp) // group_size)[perm] == g  # group g's columns, permuted
-            scales[:, g], zeros[:, g] = _params(w[:, columns], qmax, symmetric)
+            scales[:, g], zeros[:, g] = _params(w[:, columns], bits, symmetric)
     group_of = (np.arange(inp) // group_size)[perm] if static_groups else None
     scale = zero = None
     for start in range(0, inp, block_size):
@@ -75,10 +76,9 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
                 scale, zero = scales[:, group_of[col]], zeros[:, group_of[col]]
             elif col % group_size == 0:  # a new group: its range from the updated weights
                 group = np.concatenate([block[:, i:], w[:, stop:]], axis=1)[:, :group_size]
-                scale, zero = _params(group, qmax, symmetric)
+                scale, zero = _params(group, bits, symmetric)
                 scales[:, col // group_size], zeros[:, col // group_size] = scale, zero
-            lo, hi = (-qmax, qmax) if symmetric else (0, qmax)
-            q = np.clip(np.rint(block[:, i] / scale) + zero, lo, hi)
+            q = np.clip(np.rint(block[:, i] / scale) + zero, qmin, qmax)
             codes[:, col] = q
             deq[:, col] = (q - zero) * scale
             err = (block[:, i] - deq[:, col]) / hinv[col, col]
@@ -92,11 +92,6 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
                       g_idx)
 
 
-def _params(group: np.ndarray, qmax: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    if symmetric:
-        scale = np.abs(group).max(axis=1) / qmax
-        return np.where(scale == 0, 1.0, scale), np.zeros(len(group))
-    lo, hi = np.minimum(group.min(axis=1), 0), np.maximum(group.max(axis=1), 0)
-    scale = (hi - lo) / qmax
-    scale = np.where(scale == 0, 1.0, scale)
-    return scale, np.clip(np.rint(-lo / scale), 0, qmax)
+def _params(group: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point of each row of ``group`` ``[out, group_size]``."""
+    return quant_params(group.min(axis=1), group.max(axis=1), bits, symmetric)

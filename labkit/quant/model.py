@@ -21,10 +21,12 @@ import numpy as np
 
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.weights import load_checkpoint
+from labkit.hardware.kv_budget import check_sequence_fits
 from labkit.quant.awq import search_clip_ratios, search_scales
 from labkit.quant.fp8 import quantize_fp8
 from labkit.quant.gptq import gptq_quantize
 from labkit.quant.rtn import quantize
+from labkit.units import cdiv
 
 METHODS = ("rtn-int8", "rtn-int4", "awq-int4", "gptq-int4", "fp8")
 
@@ -32,14 +34,14 @@ METHODS = ("rtn-int8", "rtn-int4", "awq-int4", "gptq-int4", "fp8")
 def _run(model: LlamaModel, token_ids: Sequence[int], observe=None) -> np.ndarray:
     """Logits of one whole sequence (a throwaway block table over a fresh cache)."""
     bs = model.kv[0].block_size
-    blocks = -(-len(token_ids) // bs)
-    if blocks > len(model.kv[0].k):
-        raise ValueError(f"sequence of {len(token_ids)} tokens does not fit the model's cache")
-    return model.forward([SequenceBatch(token_ids, 0, list(range(blocks)))], observe)[0]
+    check_sequence_fits(len(token_ids), len(model.kv[0].k), bs,
+                        f"a sequence of {len(token_ids)} tokens")
+    blocks = list(range(cdiv(len(token_ids), bs)))
+    return model.forward([SequenceBatch(token_ids, 0, blocks)], observe)[0]
 
 
 def _load(model_dir: str | Path, max_len: int) -> LlamaModel:
-    return LlamaModel.load(model_dir, num_blocks=-(-max_len // 16), block_size=16)
+    return LlamaModel.load(model_dir, num_blocks=cdiv(max_len, 16), block_size=16)
 
 
 def calibrate(model_dir: str | Path, sequences: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ A weight matrix ``W [out, in]`` is stored as integers ``q`` and a scale (and, as
 zero point) per *group*: the whole tensor, one output channel (a row), or ``group_size``
 consecutive input weights of a row (128 in AWQ and GPTQ checkpoints). Dequantized,
 ``W ~ scale * (q - zero)``. Symmetric quantization maps ``[-max|w|, max|w|]`` onto
-``[-(2^(b-1) - 1), 2^(b-1) - 1]``; asymmetric maps ``[min w, max w]`` onto ``[0, 2^b - 1]``.
+``[-(2^(b-1) - 1), 2^(b-1) - 1]``; asymmetric maps ``[min(w, 0), max(w, 0)]`` onto
+``[0, 2^b - 1]``, a range that always includes 0 so that zero stays exactly representable.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from labkit.checks import ParameterError, positive_int
+from labkit.units import cdiv
 
 GRANULARITIES = ("tensor", "channel", "group")
 
@@ -39,9 +43,42 @@ class QuantizedTensor:
     def num_bytes(self) -> int:
         """Storage: packed codes plus a float16 scale (and a packed zero) per group."""
         groups = 1 if self.per_tensor else self.scale.size
-        codes = self.q.size * self.bits / 8
-        zeros = 0 if self.symmetric else groups * self.bits / 8
-        return int(np.ceil(codes + groups * 2 + zeros))
+        packed_bits = (self.q.size + (0 if self.symmetric else groups)) * self.bits
+        return cdiv(packed_bits, 8) + 2 * groups
+
+
+def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """The integer codes of ``bits``-bit quantization: ``[-(2^(b-1) - 1), 2^(b-1) - 1]``
+    symmetric, ``[0, 2^b - 1]`` asymmetric (chapter 4.1)."""
+    return (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
+
+
+def quant_params(lo: np.ndarray, hi: np.ndarray, bits: int,
+                 symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and integral zero point of each group from its range ``[lo, hi]`` (chapter 4.1).
+
+    The range is first widened to include 0, as llm-compressor (``calculate_qparams`` in
+    compressed-tensors) does, so that 0 is always a code: a group of positive weights maps
+    ``[0, max]`` onto the codes, not ``[min, max]``. Symmetric: ``scale = max|w| / qmax``,
+    zero 0. Asymmetric: ``scale = (hi - lo) / (2^b - 1)``, zero ``round(-lo / scale)`` (the
+    signed zero point of compressed-tensors plus ``2^(b-1)``). An all-zero group gets scale 1.
+    """
+    qmin, qmax = code_range(bits, symmetric)
+    lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+    scale = (np.maximum(-lo, hi) if symmetric else hi - lo) / qmax
+    scale = np.where(scale == 0, 1.0, scale)
+    zero = np.zeros_like(scale) if symmetric else np.clip(np.rint(-lo / scale), qmin, qmax)
+    return scale, zero
+
+
+def check_group_size(width: int, group_size: int) -> int:
+    """``group_size`` if it cuts rows of ``width`` input weights into whole groups, else raise
+    (chapter 4.1)."""
+    positive_int("group_size", group_size)
+    if width % group_size:
+        raise ParameterError("group_size", f"group_size ({group_size}) must divide the input "
+                                           f"width ({width})")
+    return group_size
 
 
 def _group_size(w: np.ndarray, granularity: str, group_size: int) -> int:
@@ -50,9 +87,7 @@ def _group_size(w: np.ndarray, granularity: str, group_size: int) -> int:
         return inp
     if granularity != "group":
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if group_size < 1 or inp % group_size:
-        raise ValueError(f"group_size ({group_size}) must divide the input width ({inp})")
-    return group_size
+    return check_group_size(inp, group_size)
 
 
 def quantize(w: np.ndarray, bits: int = 8, symmetric: bool = True, granularity: str = "channel",
@@ -73,19 +108,9 @@ def quantize(w: np.ndarray, bits: int = 8, symmetric: bool = True, granularity: 
     if granularity == "tensor":
         groups = w.reshape(1, 1, -1)
     clip = np.asarray(clip, dtype=np.float32)
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = np.abs(groups).max(axis=-1) * clip / qmax
-        scale = np.where(scale == 0, 1.0, scale)
-        q = np.clip(np.rint(groups / scale[..., None]), -qmax, qmax)
-        zero = np.zeros_like(scale)
-    else:
-        qmax = 2 ** bits - 1
-        hi, lo = groups.max(axis=-1) * clip, groups.min(axis=-1) * clip
-        scale = (hi - lo) / qmax
-        scale = np.where(scale == 0, 1.0, scale)
-        zero = np.clip(np.rint(-lo / scale), 0, qmax)
-        q = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], 0, qmax)
+    scale, zero = quant_params(groups.min(axis=-1) * clip, groups.max(axis=-1) * clip, bits,
+                               symmetric)
+    q = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], *code_range(bits, symmetric))
     if granularity == "tensor":
         scale = np.full((out, 1), scale.item(), np.float32)
         zero = np.full((out, 1), zero.item(), np.float32)

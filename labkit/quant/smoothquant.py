@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from labkit.checks import in_range
 from labkit.quant.rtn import quantize
 
 
 def smooth_scales(x: np.ndarray, w: np.ndarray, alpha: float = 0.5) -> np.ndarray:
     """Per input channel migration factors; ``alpha`` is how much difficulty moves to W."""
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    in_range("alpha", alpha, 0, 1)
     act = np.abs(x).max(axis=0)
     weight = np.abs(w).max(axis=0)
     s = act ** alpha / np.maximum(weight, 1e-8) ** (1 - alpha)

@@ -6,6 +6,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from labkit.kvcache.hashing import BlockHash, BlockHasher
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -21,6 +23,12 @@ class Request:
     A simulator knows the output in advance and passes it as ``output_plan``; an engine
     samples each token and passes ``max_tokens`` instead. ``num_computed_tokens`` counts tokens
     whose K and V are in the cache; preemption by recompute sets it back to zero.
+
+    ``block_hashes`` names the request's full blocks for prefix caching, like vLLM's
+    ``request.block_hashes``. ``block_hasher`` (the KV cache's; the scheduler sets it) hashes
+    each block once: the prompt's when the hasher is set, every later one when a token fills
+    it. :meth:`check_stop` is the one place that decides the request is done; an engine's
+    subclass extends it.
     """
 
     request_id: str
@@ -34,6 +42,10 @@ class Request:
     token_ids: list[int] = field(init=False)
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    block_hasher: BlockHasher | None = field(default=None, repr=False)
+    block_hashes: list[BlockHash] = field(init=False, repr=False)
+    finish_reason: str | None = field(default=None, init=False)  # "length", "stop", "abort"
+    stop_reason: int | str | None = field(default=None, init=False)  # the stop token or string
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -47,7 +59,11 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1")
         if self.arrival_time < 0:
             raise ValueError(f"request {self.request_id!r}: arrival_time must be >= 0")
+        # Copies: the caller's list may change later (a child built from its parent's tokens).
+        self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
+        self.block_hashes = []
+        self._hash_new_blocks()
 
     @property
     def prompt_len(self) -> int:
@@ -66,12 +82,29 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Compute the whole prompt even when it is cached. An engine's subclass says so
+        when it must return the prompt's logprobs, which need logits at every position."""
+        return False
+
+    def set_block_hasher(self, block_hasher: BlockHasher | None) -> None:
+        """Name this request's blocks with ``block_hasher`` (``None``: no prefix caching).
+
+        Nothing happens when it is the hasher the request has already; otherwise the blocks
+        known so far are hashed anew, once.
+        """
+        if block_hasher == self.block_hasher:
+            return
+        self.block_hasher, self.block_hashes = block_hasher, []
+        self._hash_new_blocks()
+
     def record_step(self, num_new_tokens: int, now: float, token_id: int | None = None) -> bool:
         """Account for ``num_new_tokens`` computed in a step ending at ``now``.
 
         Once every known token is computed the model emits the next one: ``token_id`` when an
-        engine sampled it, else the next planned token. Returns True when that was the
-        request's last token (``max_tokens`` reached), and marks the request finished.
+        engine sampled it, else the next planned token. Returns True when
+        :meth:`check_stop` says that token ends the request, which is then finished.
         """
         self.num_computed_tokens += num_new_tokens
         if self.num_computed_tokens < self.num_tokens:
@@ -81,13 +114,39 @@ class Request:
                 raise ValueError(f"request {self.request_id!r} has no planned output: "
                                  f"pass the sampled token_id")
             token_id = self.output_plan[self.num_output_tokens]
+        return self.append_output_token(token_id, now)
+
+    def append_output_token(self, token_id: int, now: float) -> bool:
+        """Add one produced token at time ``now``; returns True if it ends the request.
+
+        A token that fills a block gets that block hashed now. Every produced token passes
+        :meth:`check_stop`; a request it stops is marked finished at ``now``. Engines call this
+        directly only for a forked child's first token (see ``Scheduler.fork_request``).
+        """
         self.token_ids.append(token_id)
         self.token_times.append(now)
-        if self.num_output_tokens < self.max_tokens:
+        self._hash_new_blocks()
+        if not self.check_stop():
             return False
         self.finish(now)
+        return True
+
+    def check_stop(self) -> bool:
+        """Whether the request is done after its latest token; sets ``finish_reason`` if so.
+
+        The base rule is the length limit, vLLM's ``"length"``: ``max_tokens`` produced. An
+        engine's subclass adds end of sequence, stop token ids and stop strings (``"stop"``,
+        with ``stop_reason``) and calls ``super().check_stop()`` for the length limit.
+        """
+        if self.num_output_tokens < self.max_tokens:
+            return False
+        self.finish_reason = "length"
         return True
 
     def finish(self, now: float) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_time = now
+
+    def _hash_new_blocks(self) -> None:
+        if self.block_hasher is not None:
+            self.block_hasher.extend(self.block_hashes, self.token_ids)

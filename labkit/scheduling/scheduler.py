@@ -7,6 +7,10 @@ budget; with chunked prefill a long prompt is cut to fit what is left. Memory co
 :class:`~labkit.kvcache.KVCacheManager`: when a running request's next token finds no free
 block, the most recently admitted request is preempted (its blocks freed, to be recomputed
 later), so a scheduler can never run what would not fit.
+
+Each step's output carries every scheduled request's block table, so the engine never asks
+the KV cache manager itself. A request's ``check_stop`` decides when it is done; the scheduler
+then frees its blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from labkit.checks import ParameterError, positive_int
+from labkit.hardware.kv_budget import check_sequence_fits
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling.request import Request, RequestStatus
 
@@ -29,22 +35,22 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, getattr(self, name))
 
 
 @dataclass
 class SchedulerOutput:
     """One step's batch.
 
-    ``num_scheduled_tokens`` maps request ids to their new tokens this step. ``rows`` lists
+    ``num_scheduled_tokens`` maps request ids to their new tokens this step, ``block_ids`` to
+    their block tables (physical block ids) after this step's allocation. ``rows`` lists
     ``(new_tokens, context_tokens_before)`` for every sequence the model computes, padding
     included: what a step-cost model charges for.
     """
 
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
     rows: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -52,9 +58,10 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         self.requests.append(request)
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.block_ids[request.request_id] = block_ids
         self.rows.append((num_new_tokens, request.num_computed_tokens))
 
 
@@ -70,19 +77,24 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; refuse one that could never run on this cache and budget."""
+        """Queue a request; refuse one that could never run on this cache and budget.
+
+        The request gets the KV cache's block hasher and hashes its prompt's blocks, once.
+        """
         self.check_request(request)
+        request.set_block_hasher(self.kv_cache.block_hasher)
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` could never run on this cache and budget."""
         longest = request.prompt_len + request.max_tokens - 1  # the last token is never cached
-        if -(-longest // self.kv_cache.block_size) > self.kv_cache.num_blocks:
-            raise ValueError(f"request {request.request_id!r} needs {longest} tokens of KV, "
-                             f"more than the cache's {self.kv_cache.num_blocks} blocks hold")
+        check_sequence_fits(longest, self.kv_cache.num_blocks, self.kv_cache.block_size,
+                            f"request {request.request_id!r} ({longest} tokens of KV)",
+                            param="max_tokens")
         if not self.config.enable_chunked_prefill and longest > self.config.max_num_batched_tokens:
-            raise ValueError(f"request {request.request_id!r} ({longest} tokens with its output) "
-                             f"exceeds max_num_batched_tokens without chunked prefill")
+            raise ParameterError("max_tokens", f"request {request.request_id!r} ({longest} "
+                                               f"tokens with its output) exceeds "
+                                               f"max_num_batched_tokens without chunked prefill")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -98,7 +110,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break
-            out.add(request, num_new)
+            out.add(request, num_new, self.kv_cache.get_block_ids(request.request_id))
             budget -= num_new
         if not out.preempted:  # after a preemption, memory is short: admit nobody new
             self._admit_waiting(out, budget)
@@ -109,7 +121,8 @@ class Scheduler:
         """Account for a finished step at time ``now``; returns requests that completed.
 
         ``sampled`` maps request ids to the token an engine sampled for them this step; a
-        simulator leaves it out and requests emit their planned tokens.
+        simulator leaves it out and requests emit their planned tokens. Every request whose
+        ``check_stop`` ends it (through ``record_step``) leaves ``running`` and frees its blocks.
         """
         sampled = sampled or {}
         done = [r for r in out.requests
@@ -122,8 +135,11 @@ class Scheduler:
         return done
 
     def finish_request(self, request: Request, now: float) -> None:
-        """End a request early (a stop token or string, or the client went away), freeing
-        its blocks at once. Finishing a finished request does nothing."""
+        """End a request early (the client went away), freeing its blocks at once.
+
+        Its ``finish_reason`` becomes ``"abort"`` unless one is set already. Finishing a
+        finished request does nothing.
+        """
         if request.is_finished:
             return
         if request in self.running:
@@ -133,8 +149,50 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             raise ValueError(f"request {request.request_id!r} is not in this scheduler")
+        if request.finish_reason is None:
+            request.finish_reason = "abort"
         request.finish(now)
         self.finished.append(request)
+
+    def fork_request(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """Start ``child`` on ``parent``'s KV cache (parallel sampling, ``n > 1``).
+
+        Call it between steps, typically right after the step that computed the parent's
+        last prompt token. ``child`` is a new request whose tokens begin with the parent's
+        computed ones and go at least one further. For parallel sampling the caller builds it
+        from the parent's prompt, samples its first token from the same logits as the
+        parent's and adds it with ``child.append_output_token`` (and forks only if that did
+        not already finish it).
+
+        The parent's full blocks are shared (reference counts) and its partly filled last
+        block is copied, since both sequences will write to it. The child joins ``running``
+        with the parent's ``num_computed_tokens``; the result lists the ``(src_block_id,
+        dst_block_id)`` copies the engine must make in its KV tensors before the next step.
+        When the child cannot join (no block free for the copy, ``max_num_seqs`` running, or
+        a parent that holds no KV any more), it waits, first in line, and will recompute,
+        taking the prompt's full blocks from the prefix cache: the result is then ``[]``.
+        """
+        self.check_request(child)
+        shared = parent.num_computed_tokens
+        can_share = parent in self.running
+        if can_share and self.kv_cache.req_num_slots[parent.request_id] != shared:
+            raise ValueError(f"fork_request: request {parent.request_id!r} is in the middle of "
+                             f"a step; fork between steps")
+        if can_share and (child.num_tokens <= shared
+                          or child.token_ids[:shared] != parent.token_ids[:shared]):
+            raise ValueError(f"fork_request: child {child.request_id!r} must begin with the "
+                             f"{shared} computed tokens of {parent.request_id!r} and have at "
+                             f"least one more")
+        child.set_block_hasher(self.kv_cache.block_hasher)
+        if can_share and len(self.running) < self.config.max_num_seqs:
+            copies = self.kv_cache.fork(parent.request_id, child.request_id, child.block_hashes)
+            if copies is not None:
+                child.status = RequestStatus.RUNNING
+                child.num_computed_tokens = shared
+                self.running.append(child)
+                return copies
+        self.waiting.appendleft(child)  # part of a request already running: it goes first
+        return []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new) is None:
@@ -157,18 +215,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            blocks, num_cached = self.kv_cache.get_computed_blocks(request.token_ids)
+            blocks, num_cached = ([], 0) if request.skip_prefix_cache else \
+                self.kv_cache.get_computed_blocks(request.block_hashes, request.num_tokens)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             if self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new,
-                                            blocks) is None:
+                                            blocks, request.block_hashes) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
-            out.add(request, num_new)
+            out.add(request, num_new, self.kv_cache.get_block_ids(request.request_id))
             budget -= num_new

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from collections import deque
 
+from labkit.checks import positive_int
+from labkit.hardware.kv_budget import check_sequence_fits
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling.request import Request, RequestStatus
 from labkit.scheduling.scheduler import SchedulerOutput
+from labkit.units import cdiv
 
 
 class StaticBatchScheduler:
     """Run-to-completion batches over the same interface as :class:`Scheduler`."""
 
     def __init__(self, kv_cache: KVCacheManager, batch_size: int) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         self.kv_cache = kv_cache
         self.batch_size = batch_size
         self.waiting: deque[Request] = deque()
@@ -35,8 +37,9 @@ class StaticBatchScheduler:
         return [r for r in self.batch if not r.is_finished]
 
     def add_request(self, request: Request) -> None:
-        if -(-self._longest(request) // self.kv_cache.block_size) > self.kv_cache.num_blocks:
-            raise ValueError(f"request {request.request_id!r} can never fit the KV cache")
+        check_sequence_fits(self._longest(request), self.kv_cache.num_blocks,
+                            self.kv_cache.block_size, f"request {request.request_id!r}")
+        request.set_block_hasher(self.kv_cache.block_hasher)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -49,14 +52,12 @@ class StaticBatchScheduler:
             if not self.batch:
                 return out
             for request in self.batch:
-                self._allocate(request, request.prompt_len)
-                out.add(request, request.prompt_len)
+                out.add(request, request.prompt_len, self._allocate(request, request.prompt_len))
             self._padded_len = max(r.prompt_len for r in self.batch)
             out.rows = [(self._padded_len, 0)] * len(self.batch)
             return out
         for request in self.running:
-            self._allocate(request, 1)
-            out.add(request, 1)
+            out.add(request, 1, self._allocate(request, 1))
         out.rows = [(1, self._padded_len)] * len(self.batch)
         self._padded_len += 1
         return out
@@ -77,7 +78,7 @@ class StaticBatchScheduler:
         longest = 0
         while self.waiting and len(self.batch) < self.batch_size:
             candidate = max(longest, self._longest(self.waiting[0]))
-            blocks = -(-candidate // self.kv_cache.block_size) * (len(self.batch) + 1)
+            blocks = cdiv(candidate, self.kv_cache.block_size) * (len(self.batch) + 1)
             if blocks > self.kv_cache.num_blocks:
                 break
             longest = candidate
@@ -85,10 +86,13 @@ class StaticBatchScheduler:
             request.status = RequestStatus.RUNNING
             self.batch.append(request)
 
-    def _allocate(self, request: Request, num_new: int) -> None:
-        if self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new) is None:
+    def _allocate(self, request: Request, num_new: int) -> list[int]:
+        """Slots for ``num_new`` more tokens; returns the request's block table."""
+        if self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new,
+                                        block_hashes=request.block_hashes) is None:
             # _form_batch reserved the padded batch; reaching this is a bug, not a user error.
             raise RuntimeError("static batch outgrew its reservation")
+        return self.kv_cache.get_block_ids(request.request_id)
 
     @staticmethod
     def _longest(request: Request) -> int:

@@ -7,13 +7,13 @@
 """
 
 from labkit.simulate.cost import RooflineCost, StepCostModel
-from labkit.simulate.metrics import (BenchmarkResult, RequestMetrics, summarize,
-                                     summarize_metrics)
+from labkit.simulate.metrics import (BenchmarkResult, RequestLatencies, summarize,
+                                     summarize_latencies)
 from labkit.simulate.simulator import SimulationResult, StepRecord, simulate, sweep
 from labkit.simulate.workload import (arrival_times, load_trace, multi_turn_workload,
                                       random_workload, sample_lengths)
 
-__all__ = ["BenchmarkResult", "RequestMetrics", "RooflineCost", "SimulationResult",
+__all__ = ["BenchmarkResult", "RequestLatencies", "RooflineCost", "SimulationResult",
            "StepCostModel", "StepRecord", "arrival_times", "load_trace", "multi_turn_workload",
-           "random_workload", "sample_lengths", "simulate", "summarize", "summarize_metrics",
+           "random_workload", "sample_lengths", "simulate", "summarize", "summarize_latencies",
            "sweep"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from labkit.checks import in_range
 from labkit.hardware import get_gpu, get_model, step_bound
 
 
@@ -34,8 +35,7 @@ class RooflineCost:
     def __post_init__(self) -> None:
         get_model(self.model)  # fail early on unknown names
         get_gpu(self.gpu)
-        if self.step_overhead_s < 0:
-            raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        in_range("step_overhead_s", self.step_overhead_s, 0)
 
     def __call__(self, rows: Sequence[tuple[int, int]]) -> float:
         bound = step_bound(self.model, self.gpu, rows, self.weight_dtype, self.kv_dtype,

@@ -13,14 +13,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.checks import in_range
 from labkit.scheduling import Request
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True)
-class RequestMetrics:
-    """One finished request's latencies, in milliseconds."""
+class RequestLatencies:
+    """One finished request's latencies, in milliseconds, as ``vllm bench serve`` counts them.
+
+    Not the engine's per-request timestamps: those are vLLM's ``RequestMetrics``
+    (:class:`labkit.engine.outputs.RequestMetrics`).
+    """
 
     request_id: str
     prompt_len: int
@@ -31,7 +36,7 @@ class RequestMetrics:
     itl_ms: tuple[float, ...]
 
     @classmethod
-    def of(cls, request: Request) -> RequestMetrics:
+    def of(cls, request: Request) -> RequestLatencies:
         if request.finish_time is None:
             raise ValueError(f"request {request.request_id!r} has not finished")
         return cls.from_times(request.request_id, request.prompt_len, request.arrival_time,
@@ -39,7 +44,7 @@ class RequestMetrics:
 
     @classmethod
     def from_times(cls, request_id: str, prompt_len: int, start_s: float,
-                   token_times_s: Sequence[float]) -> RequestMetrics:
+                   token_times_s: Sequence[float]) -> RequestLatencies:
         """Latencies from a start time and the arrival time of every output token."""
         times = np.asarray(token_times_s)
         if times.size == 0:
@@ -96,15 +101,14 @@ class BenchmarkResult:
 def summarize(requests: Sequence[Request], duration_s: float,
               slos_ms: Mapping[str, float] | None = None) -> BenchmarkResult:
     """Summarize finished simulated requests over a run of ``duration_s`` seconds."""
-    return summarize_metrics([RequestMetrics.of(r) for r in requests
+    return summarize_latencies([RequestLatencies.of(r) for r in requests
                               if r.finish_time is not None], duration_s, slos_ms)
 
 
-def summarize_metrics(per_request: Sequence[RequestMetrics], duration_s: float,
+def summarize_latencies(per_request: Sequence[RequestLatencies], duration_s: float,
                       slos_ms: Mapping[str, float] | None = None) -> BenchmarkResult:
     """Summarize per-request latencies, simulated or measured, over ``duration_s`` seconds."""
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    in_range("duration_s", duration_s, 0, low_open=True)
     for name in slos_ms or {}:
         if name not in SLO_METRICS:
             raise ValueError(f"SLO metric must be one of {SLO_METRICS}, got {name!r}")

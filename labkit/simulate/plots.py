@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from labkit.simulate.metrics import BenchmarkResult, RequestMetrics
+from labkit.simulate.metrics import BenchmarkResult, RequestLatencies
 from labkit.simulate.simulator import SimulationResult
 
 
@@ -34,9 +34,9 @@ def plot_latency_cdfs(results: Mapping[str, SimulationResult], axes=None):
     """Cumulative distributions of TTFT and TPOT per run."""
     axes = axes if axes is not None else plt.subplots(1, 2, figsize=(11, 3.5))[1]
     for label, result in results.items():
-        metrics = [RequestMetrics.of(r) for r in result.requests]
-        for ax, values in zip(axes, ([m.ttft_ms for m in metrics],
-                                     [m.tpot_ms for m in metrics if m.output_len > 1]),
+        latencies = [RequestLatencies.of(r) for r in result.requests]
+        for ax, values in zip(axes, ([m.ttft_ms for m in latencies],
+                                     [m.tpot_ms for m in latencies if m.output_len > 1]),
                               strict=True):
             values = np.sort(values)
             ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=label)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.checks import in_range, positive_int
 from labkit.scheduling import Request
 
 VOCAB_SIZE = 32000
@@ -25,12 +26,10 @@ VOCAB_SIZE = 32000
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0,
                   seed: int = 0) -> np.ndarray:
     """Arrival times in seconds; ``request_rate=inf`` sends everything at t = 0."""
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    positive_int("num_requests", num_requests, at_least=0)
     if not request_rate > 0:
         raise ValueError(f"request_rate must be > 0 (inf for all at once), got {request_rate}")
-    if not burstiness > 0:
-        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    in_range("burstiness", burstiness, 0, low_open=True)
     if math.isinf(request_rate) or num_requests == 0:
         return np.zeros(num_requests)
     rng = np.random.default_rng(seed)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from labkit.engines import ServeConfig, sglang_command, vllm_command
+from labkit.launch import ServeConfig, sglang_command, vllm_command
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

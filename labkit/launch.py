@@ -25,9 +25,8 @@ from importlib import resources
 
 import httpx
 
+from labkit.checks import in_range, positive_int
 from labkit.lab import LabPath, detect
-
-ENGINES = ("vllm", "sglang", "trtllm", "labkit")
 
 
 @dataclass(frozen=True)
@@ -50,16 +49,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a model name or directory")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, "
-                             f"got {self.tensor_parallel_size!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port must be in [1, 65535], got {self.port}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        in_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
+        in_range("port", self.port, 1, 65535)
+        if self.max_model_len is not None:
+            positive_int("max_model_len", self.max_model_len)
 
     @property
     def base_url(self) -> str:
@@ -170,19 +164,22 @@ def format_command(command: Sequence[str]) -> str:
     return " \\\n    ".join(lines)
 
 
+#: Every engine labkit launches, by the name used across labkit, and its command line.
+COMMANDS = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_command,
+            "labkit": labkit_command}
+
+
 def command_for(engine: str, cfg: ServeConfig) -> list[str]:
-    commands = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_command,
-                "labkit": labkit_command}
-    if engine not in commands:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    return commands[engine](cfg)
+    """The command line that serves ``cfg`` with ``engine``, a name in :data:`COMMANDS` (2.2)."""
+    if engine not in COMMANDS:
+        raise ValueError(f"engine must be one of {tuple(COMMANDS)}, got {engine!r}")
+    return COMMANDS[engine](cfg)
 
 
 def choose_engine(wanted: str, path: LabPath | None = None) -> str:
     """``wanted`` when this machine can run it (a CUDA GPU and the package), else ``labkit``."""
     path = path or detect()
-    package = {"trtllm": "tensorrt_llm"}.get(wanted, wanted)
-    return wanted if wanted == "labkit" or path.uses(package) else "labkit"
+    return wanted if wanted == "labkit" or path.uses(wanted) else "labkit"
 
 
 class ServerProcess:

@@ -6,10 +6,10 @@ import pytest
 
 from labkit.bench import benchmark, random_dataset, shared_prefix_dataset
 from labkit.engine import write_tiny_model
-from labkit.engines import (ServeConfig, ServerProcess, choose_engine, command_for,
-                            labkit_command, sglang_command, trtllm_build_commands,
-                            trtllm_command, vllm_command)
-from labkit.lab import LabPath
+from labkit.lab import ENGINE_PACKAGES, LabPath
+from labkit.launch import (COMMANDS, ServeConfig, ServerProcess, choose_engine, command_for,
+                           labkit_command, sglang_command, trtllm_build_commands,
+                           trtllm_command, vllm_command)
 
 CFG = ServeConfig(model="meta-llama/Meta-Llama-3-70B-Instruct", served_model_name="llama-70b",
                   tensor_parallel_size=4, gpu_memory_utilization=0.9, max_model_len=8192,
@@ -45,6 +45,8 @@ def test_bad_configs():
         ServeConfig(model="m", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive"):
         ServeConfig(model="m", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"port must be in \[1, 65535\]"):
+        ServeConfig(model="m", port=70000)
     with pytest.raises(ValueError, match="engine must be one of"):
         command_for("ollama", ServeConfig(model="m"))
     with pytest.raises(ValueError, match="one device, unquantized"):
@@ -56,6 +58,13 @@ def test_choose_engine_falls_back_to_the_teaching_engine():
     gpu = LabPath(gpus=("NVIDIA H100",), engines=("vllm",))
     assert choose_engine("vllm", cpu) == "labkit" and choose_engine("vllm", gpu) == "vllm"
     assert choose_engine("trtllm", gpu) == "labkit"
+    with_trt = LabPath(gpus=("NVIDIA H100",), engines=("trtllm",))
+    assert choose_engine("trtllm", with_trt) == "trtllm"
+
+
+def test_one_name_per_engine():
+    # The engines a lab detects are the real ones labkit launches, under the same names.
+    assert set(ENGINE_PACKAGES) == set(COMMANDS) - {"labkit"}
 
 
 def test_datasets():

@@ -1,0 +1,102 @@
+"""When the engine itself breaks: open streams end with an error, ``/health`` turns 503, new
+requests are refused, and the process still stops on SIGTERM within 5 s."""
+
+import json
+import signal
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+from conftest import serve_in_thread
+
+from labkit.engine import EngineArgs, write_tiny_model
+from labkit.engine.async_engine import AsyncLLMEngine
+from labkit.launch import ServerProcess, free_port
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def test_engine_death_ends_streams_and_fails_health(tiny, monkeypatch):
+    engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=256), served_model_name=MODEL)
+    with serve_in_thread(engine) as base, httpx.Client(base_url=base, timeout=20) as http:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        events = []
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    def broken(*args, **kwargs):
+                        raise RuntimeError("injected fault in the model")
+
+                    monkeypatch.setattr(engine.engine.model, "forward", broken)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "injected fault" in error["message"]
+        assert http.get("/health").status_code == 503
+        refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+
+
+SERVE_WITH_FAULT = textwrap.dedent("""
+    import sys
+    from labkit import cli
+    from labkit.engine.model import LlamaModel
+
+    forward, calls = LlamaModel.forward, []
+
+    def forward_that_breaks(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:
+            raise RuntimeError("injected fault")
+        return forward(self, *args, **kwargs)
+
+    LlamaModel.forward = forward_that_breaks
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def sigterm_takes_s(server: ServerProcess) -> float:
+    """Send SIGTERM to the server alone (not its group) and time its exit (at most 5 s)."""
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout=5)
+    return time.monotonic() - start
+
+
+def test_dead_server_exits_on_sigterm_and_honours_vllm_api_key(tiny, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    port = free_port()
+    command = [sys.executable, "-c", SERVE_WITH_FAULT, "serve", tiny, "--port", str(port),
+               "--served-model-name", MODEL, "--max-model-len", "128"]
+    with ServerProcess(command, f"http://127.0.0.1:{port}", startup_timeout_s=60) as server:
+        base = server.base_url
+        assert httpx.get(base + "/v1/models").status_code == 401
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 50, "ignore_eos": True}
+        response = httpx.post(base + "/v1/completions", json=body, timeout=20,
+                              headers={"Authorization": "Bearer k"})
+        assert response.status_code == 503, response.text
+        assert httpx.get(base + "/health").status_code == 503
+        assert sigterm_takes_s(server) < 5
+
+
+def test_sigterm_with_a_stream_open_exits_within_5_s(tiny):
+    port = free_port()
+    command = [sys.executable, "-m", "labkit.cli", "serve", tiny, "--port", str(port),
+               "--served-model-name", MODEL, "--max-model-len", "1024"]
+    with ServerProcess(command, f"http://127.0.0.1:{port}", startup_timeout_s=60) as server:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                          timeout=20) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+            assert sigterm_takes_s(server) < 5
