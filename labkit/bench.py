@@ -5,7 +5,10 @@ is Poisson) at ``request_rate`` per second, or as fast as ``max_concurrency`` al
 streamed, and the arrival time of every token is recorded. TTFT, TPOT, ITL, E2EL, throughput
 and goodput come out with vLLM's names (:class:`labkit.simulate.BenchmarkResult`), so a run
 against vLLM on a GPU and a run against ``labkit serve`` on a laptop print the same table.
-Token counts are the server's own (``usage``), not a client-side estimate.
+Token counts are the server's own (``usage``), not a client-side estimate: a busy server may
+put several tokens in one streamed chunk, so chunks are not tokens. Times are per chunk, as
+``vllm bench serve`` takes them: TTFT at the first, ITL between chunks, and TPOT spreads the
+time after the first chunk over the server's count of the tokens after the first.
 """
 
 from __future__ import annotations
@@ -58,12 +61,29 @@ def shared_prefix_dataset(num_prompts: int, prefix_words: int, suffix_words: int
             for i in range(num_prompts)]
 
 
+def request_latencies(request_id: str, prompt_tokens: int, output_tokens: int, start_s: float,
+                      chunk_times_s: Sequence[float]) -> RequestLatencies:
+    """One streamed request's latencies (ms) from its send time and the arrival time of each
+    chunk that carried text, with the server's token counts (``usage``).
+
+    TPOT is ``(E2EL - TTFT) / (output_tokens - 1)``: the tokens after the first, however many
+    chunks brought them. With one token per chunk it equals the mean ITL.
+    """
+    if not chunk_times_s:
+        raise ValueError(f"request {request_id!r} received no token")
+    positive_int("output_tokens", output_tokens)
+    ttft_s, e2el_s = chunk_times_s[0] - start_s, chunk_times_s[-1] - start_s
+    tpot_s = (e2el_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
+    return RequestLatencies(request_id, prompt_tokens, output_tokens, 1e3 * ttft_s,
+                            1e3 * tpot_s, 1e3 * e2el_s, tuple(1e3 * np.diff(chunk_times_s)))
+
+
 async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
                index: int) -> RequestLatencies | None:
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, token_times, prompt_tokens = time.perf_counter(), [], 0
+    start, chunk_times, usage = time.perf_counter(), [], None
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return None
@@ -72,12 +92,13 @@ async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
+                usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                token_times.append(time.perf_counter())
-    if not token_times:
+                chunk_times.append(time.perf_counter())
+    if not chunk_times or usage is None:
         return None
-    return RequestLatencies.from_times(f"bench-{index}", prompt_tokens, start, token_times)
+    return request_latencies(f"bench-{index}", usage["prompt_tokens"],
+                             usage["completion_tokens"], start, chunk_times)
 
 
 async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchRequest],

@@ -108,8 +108,16 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_bad_requests(tiny, tmp_path):
     engine = LLM(tiny, max_model_len=64).llm_engine
-    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
-        engine.add_request([1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens") as err:
+        engine.add_request([1] * 65, SamplingParams(max_tokens=10))
+    assert err.value.param == "input_tokens"
+    with pytest.raises(ValueError, match="cannot be greater than max_model_len=64"):
+        engine.add_request([1] * 4, SamplingParams(max_tokens=65))
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):
+        engine.add_request([1] * 64, SamplingParams(max_tokens=10))
+    # As vLLM 0.32: the completion gets what the context window leaves.
+    rid = engine.add_request([1] * 60, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert engine.groups[rid][0].max_tokens == 4
     with pytest.raises(ValueError, match="must not be empty"):
         engine.add_request([])
     with pytest.raises(ValueError, match="token ids must be in"):
@@ -183,14 +191,14 @@ def test_qwen2_checkpoint_matches_transformers(tiny, tmp_path):
 
 def test_n_choices_fork_the_prompt_blocks_and_equal_greedy(tiny):
     """n > 1: the prompt is prefilled once and its full blocks are shared (reference counts
-    of n), the partly filled last block is copied, and at temperature 0 every choice is the
-    greedy completion."""
+    of n), the partly filled last block is copied, and with top_k=1 (greedy; vLLM refuses
+    n > 1 at temperature 0) every choice is the greedy completion."""
     engine = LLMEngine(EngineArgs(tiny, block_size=4))
     prompt = list(range(3, 13))  # 10 tokens: two full blocks and a partial one
     greedy = LLM(tiny, block_size=4).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    engine.add_request(prompt, SamplingParams(n=3, temperature=0, max_tokens=6,
-                                              ignore_eos=True), "r")
+    engine.add_request(prompt, SamplingParams(n=3, top_k=1, max_tokens=6, ignore_eos=True),
+                       "r")
     engine.step()  # prefill of choice 0, then the fork
     kv = engine.kv_cache
     tables = [kv.get_block_ids(f"{i}_r") for i in range(3)]
@@ -247,3 +255,101 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny):
     assert [next(iter(e)) for e in second.prompt_logprobs[1:]] == prompt[1:]
     for a, b in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:], strict=True):
         assert a[next(iter(a))].logprob == pytest.approx(b[next(iter(b))].logprob, abs=1e-6)
+
+
+def test_outputs_are_snapshots_the_engine_does_not_change_later(tiny):
+    """A server's engine thread keeps stepping while the client's coroutine formats the last
+    output: that output's logprobs must not grow past its tokens."""
+    engine = LLMEngine(EngineArgs(tiny))
+    engine.add_request("Hello", SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1,
+                                               prompt_logprobs=1))
+    first = engine.step()[0]
+    engine.step()
+    choice = first.outputs[0]
+    assert len(choice.logprobs) == len(choice.token_ids) == 1
+    assert len(first.prompt_logprobs) == len(first.prompt_token_ids)
+
+
+def test_a_catastrophically_backtracking_regex_fails_only_its_request(tiny, monkeypatch):
+    """(a|aa){40,}c takes time exponential in the output to rule a character out: the mask
+    gives up after MASK_TIMEOUT_S and the request ends with an error, the engine goes on."""
+    from labkit.engine import constraints
+
+    monkeypatch.setattr(constraints, "MASK_TIMEOUT_S", 0.5)
+    engine = LLMEngine(EngineArgs(tiny))
+    slow = engine.add_request("x", SamplingParams(regex="(?:a|aa){40,}c", max_tokens=100,
+                                                  top_k=1, n=2))
+    good = engine.add_request("Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [c.finish_reason for c in finished[slow].outputs] == ["error", "error"]
+    assert finished[slow].error.param == "regex"
+    assert str(finished[slow].error).startswith("regex: matching the output took over 0.5 s")
+    assert finished[good].outputs[0].finish_reason == "length"
+    assert engine.kv_cache.block_pool.num_free_blocks == engine.num_gpu_blocks
+
+
+def test_a_huge_structured_outputs_regex_is_refused_before_compiling(tiny):
+    """structured_outputs.regex is bounded like SGLang's regex=: compiling a{100000000}
+    would take more memory than the machine has."""
+    from labkit.engine.structured import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a{100000000}"))
+    with pytest.raises(ValueError, match="expands to about 100000000 elements") as err:
+        LLMEngine(EngineArgs(tiny)).process_inputs("x", params)
+    assert err.value.param == "regex"  # the field inside structured_outputs, as for json
+
+
+def test_choice_seeds_wrap_around_64_bits(tiny):
+    """seed=2**63-1 is a valid seed, so n=2 with it is a valid request: choice 1 gets
+    seed + 1 modulo 2**64, the generator of seed -2**63."""
+    params = SamplingParams(n=2, seed=2**63 - 1, temperature=1.0, max_tokens=6,
+                            ignore_eos=True)
+    assert params.for_choice(1).seed == -2**63
+    llm = LLM(tiny)
+    texts = [c.text for c in llm.generate("Hello", params)[0].outputs]
+    alone = llm.generate("Hello", SamplingParams(seed=-2**63, temperature=1.0, max_tokens=6,
+                                                 ignore_eos=True))[0].outputs[0].text
+    assert texts[1] == alone
+
+
+def test_a_stop_string_written_before_min_tokens_does_not_stop_later(tiny):
+    """vLLM looks for a stop string only in text that ends after min_tokens: "ab" written
+    while min_tokens held the check back must not stop the request when "c" comes, even
+    though a longer stop string widens the window at the end of the text."""
+    from labkit.engine.detokenizer import IncrementalDetokenizer
+    from labkit.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny)
+    a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
+    detokenizer = IncrementalDetokenizer(tokenizer, ["ab", "xxxxxxxx"])
+    assert [detokenizer.update(a, False), detokenizer.update(b, False)] == [None, None]
+    assert detokenizer.update(c) is None and detokenizer.text == "abc"
+    spanning = IncrementalDetokenizer(tokenizer, ["bc"])  # ends in the new text: found
+    spanning.update(a, False), spanning.update(b, False)
+    assert spanning.update(c) == "bc" and spanning.text == "a"
+
+
+def test_min_tokens_masks_the_stop_tokens_as_vllm_does(tiny):
+    """Until min_tokens are out, a stop token cannot be sampled (vLLM's min-tokens logits
+    processor); it is not sampled, ignored and left in the output. Here greedy decoding
+    starts with token t twice: with stop_token_ids=[t] and min_tokens=3 the first three
+    tokens are others, and t, once allowed again, stops the request."""
+    llm = LLM(tiny)
+    prompt = [5, 17, 42]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                 ignore_eos=True))[0].outputs[0].token_ids
+    stop = free[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, min_tokens=3,
+                                                stop_token_ids=[stop]))[0].outputs[0]
+    assert stop not in out.token_ids[:3]
+    assert out.finish_reason == "length" or out.token_ids.index(stop) >= 3
+    assert out.stop_reason in (None, stop)
+    # EOS likewise, unless ignore_eos makes it an ordinary token.
+    engine = llm.llm_engine
+    eos = engine.tokenizer.eos_token_id
+    request = engine.process_inputs(prompt, SamplingParams(min_tokens=2))[0]
+    assert not request.sampling_mask(engine.vocab_size)[eos]
+    ignoring = engine.process_inputs(prompt, SamplingParams(min_tokens=2, ignore_eos=True))[0]
+    assert ignoring.sampling_mask(engine.vocab_size) is None

@@ -48,3 +48,27 @@ def test_engine_tables_render_every_engine():
     assert table.splitlines()[0].count("|") == 6 and "TensorRT-LLM" in table
     flags = flag_table_markdown(ServeConfig(model="m", tensor_parallel_size=2, max_model_len=4096))
     assert "`--tp-size 2`" in flags and "`--max_seq_len 4096`" in flags
+
+
+def test_kv_bytes_per_token_names_the_mistake():
+    # Llama-3-70B: 80 layers x (K, V) x 8 KV heads x 128 head_dim x 2 bytes = 327,680 bytes.
+    assert ex.check_kv_bytes_per_token(327_680, "Llama-3-70B", "bf16")
+    assert "attention heads" in repr(ex.check_kv_bytes_per_token(327_680 * 8, "Llama-3-70B"))
+    assert "K or V" in repr(ex.check_kv_bytes_per_token(163_840, "Llama-3-70B"))
+    assert "layers" in repr(ex.check_kv_bytes_per_token(4_096, "Llama-3-70B"))
+    assert "fp32" in repr(ex.check_kv_bytes_per_token(655_360, "Llama-3-70B"))
+    assert not ex.check_kv_bytes_per_token(None, "Llama-3-70B")
+
+
+def test_speedup_from_two_benchmark_results():
+    from dataclasses import replace
+
+    from labkit.simulate.metrics import summarize_latencies
+    from labkit.simulate.metrics import RequestLatencies
+
+    one = summarize_latencies([RequestLatencies.from_times("a", 4, 0.0, [0.1, 0.2, 0.3])], 1.0)
+    fast = replace(one, output_throughput=300.0)
+    slow = replace(one, output_throughput=100.0)
+    assert ex.check_speedup(3.0, fast, slow)
+    assert "other way round" in repr(ex.check_speedup(1 / 3, fast, slow))
+    assert "percent" in repr(ex.check_speedup(200, fast, slow))

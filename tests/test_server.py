@@ -138,9 +138,12 @@ def test_n_choices_share_the_prompt_and_equal_greedy(client):
     greedy = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
                                        max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True})
+    # vLLM refuses n > 1 at temperature 0 (n identical answers); top_k=1 is greedy too.
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy"):
+        client.completions.create(model=MODEL, prompt="x", temperature=0, n=3)
     many = client.completions.create(model=MODEL, prompt="Tensor parallelism splits",
-                                     max_tokens=6, temperature=0, n=3,
-                                     extra_body={"ignore_eos": True})
+                                     max_tokens=6, temperature=1.0, n=3,
+                                     extra_body={"ignore_eos": True, "top_k": 1})
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert all(c.text == greedy.choices[0].text for c in many.choices)
     assert many.usage.completion_tokens == 18
@@ -166,6 +169,15 @@ def test_echo_returns_the_prompt_first(client):
     assert done.choices[0].text == "Hello world" + plain.choices[0].text
 
 
+def nested(kind: str, depth: int) -> dict:
+    """A JSON schema ``depth`` objects (one required property each) or arrays deep."""
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = ({"type": "array", "items": schema} if kind == "array" else
+                  {"type": "object", "properties": {"a": schema}, "required": ["a"]})
+    return schema
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "temperature": float("inf")}, "temperature"),
@@ -179,10 +191,31 @@ def test_echo_returns_the_prompt_first(client):
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(100_000)]}, "stop"),  # stalls all
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": "word " * 400}, "prompt"),             # longer than max_model_len
+    ({"prompt": "word " * 400}, "input_tokens"),       # longer than max_model_len, as vLLM
+    ({"prompt": "x", "max_tokens": 257}, "max_tokens"),  # more than max_model_len
     ({"prompt": [10**6]}, "prompt"),
     ({}, "prompt"),
+    # vLLM parameters the teaching engine does not implement: refused, never ignored.
+    ({"prompt": "x", "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "priority": 1}, "priority"),
+    ({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True},
+     "return_tokens_as_token_ids"),
+    ({"prompt": "x", "logits_processors": ["my.Processor"]}, "logits_processors"),
+    ({"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),  # as vLLM
+    ({"prompt": "x", "structured_outputs": {"json_object": True,
+                                            "disable_any_whitespace": "no"}},
+     "disable_any_whitespace"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a{100000000}"}}, "regex"),
+    # Patterns and schemas whose compiling or building would recurse too deeply, or grow
+    # without bound (arrays double the regex at every level, optional properties square it).
+    ({"prompt": "x", "regex": "(" * 1000 + "a" + ")" * 1000}, "regex"),
+    ({"prompt": "x", "structured_outputs": {"json": nested("object", 400)}}, "json"),
+    ({"prompt": "x", "structured_outputs": {"json": nested("array", 20)}}, "json"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(1000)}}}}, "json"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):
     response = httpx.post(server[0] + "/v1/completions", headers={"content-type":
@@ -203,6 +236,8 @@ def test_transport_errors_are_openai_errors(server, client):
         response = httpx.request(method, base + path)
         assert response.status_code == status
         assert response.json()["error"]["code"] == status
+        if status == 405:  # RFC 9110: a 405 says which methods the resource allows
+            assert response.headers["allow"] == ("POST" if path == "/v1/completions" else "GET")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
@@ -222,7 +257,8 @@ def test_metrics_parse_with_vllm_names(server, client):
     samples = {s.name: s for f in families.values() for s in f.samples}
     assert samples["vllm:generation_tokens_total"].value >= 3
     assert samples["vllm:time_to_first_token_seconds_count"].value >= 1
-    assert samples["vllm:generation_tokens_total"].labels == {"model_name": MODEL}
+    assert samples["vllm:generation_tokens_total"].labels == {"model_name": MODEL,
+                                                              "engine": "0"}
 
 
 def test_cancelled_streams_leak_no_blocks(server):
@@ -281,6 +317,7 @@ def test_api_key_protects_v1_routes(tiny):
         assert httpx.get(base + "/v1/models").status_code == 401
         wrong = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+        assert wrong.headers["www-authenticate"] == "Bearer"  # RFC 9110: how to authenticate
         right = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert right.status_code == 200
         assert httpx.get(base + "/health").status_code == 200   # probes need no key
@@ -324,3 +361,165 @@ def test_tokenization_runs_off_the_engine_thread(server, monkeypatch):
     httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "hello",
                                                     "max_tokens": 1})
     assert seen and "engine-loop" not in seen
+
+
+def stream_choices(http, path, body):
+    """A streamed request's choices put back together: text, and the logprobs lists."""
+    choices = {}
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                whole = choices.setdefault(c["index"], {"text": "", "logprobs": {}})
+                whole["text"] += c["text"]
+                for key, values in (c["logprobs"] or {}).items():
+                    whole["logprobs"].setdefault(key, []).extend(values)
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "字字 😀 ok", "echo": True, "logprobs": 1, "max_tokens": 6, "temperature": 0},
+    {"prompt": [0, 5, 17, 42], "logprobs": 2, "max_tokens": 12, "temperature": 0.8,
+     "seed": 3, "n": 2},
+    {"prompt": "Hello world", "logprobs": 0, "max_tokens": 20, "temperature": 1.0, "seed": 5,
+     "stop": ["e "], "echo": True},
+])
+def test_streamed_logprobs_add_up_to_the_non_streamed_ones(server, body):
+    """Tokens, logprobs and text_offset of every chunk, put together, are the non-streamed
+    response's, also where text is held back (a multi-byte character, a possible stop)."""
+    body = {"model": MODEL, "ignore_eos": True, **body}
+    with httpx.Client(base_url=server[0], timeout=30) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        streamed = stream_choices(http, "/v1/completions", body)
+    assert [c["text"] for c in streamed] == [c["text"] for c in whole]
+    assert [c["logprobs"] for c in streamed] == [c["logprobs"] for c in whole]
+
+
+def test_chat_errors_name_the_chat_field(server):
+    """Chat fields that feed an engine parameter under another name are named as sent."""
+    cases = [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ({"max_completion_tokens": 0}, "max_completion_tokens"),
+             ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+             ({"max_tokens": 10**6}, "max_tokens"),
+             ({"messages": [{"role": "user", "content": "word " * 400}]}, "input_tokens"),
+             ({"echo": True}, "echo"), ({"chat_template": "{{ messages }}"}, "chat_template"),
+             ({"continue_final_message": True}, "continue_final_message"),
+             ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+             ({"stream": True, "prompt_logprobs": 2}, "prompt_logprobs")]
+    for fields, param in cases:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+        response = httpx.post(server[0] + "/v1/chat/completions", json=body)
+        assert response.status_code == 400, (fields, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param, (fields, error)
+        assert error["message"].startswith(param) or "context length" in error["message"]
+
+
+def test_chat_prompt_logprobs_and_add_special_tokens(server, client):
+    """vLLM's chat extras: ``prompt_logprobs`` (top level of the response) and
+    ``add_special_tokens`` (a BOS before the rendered template)."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    extra = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1,
+        extra_body={"prompt_logprobs": 1, "add_special_tokens": True})
+    assert extra.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+    prompt_logprobs = extra.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == extra.usage.prompt_tokens and prompt_logprobs[0] is None
+    assert all(len(entry) in (1, 2) for entry in prompt_logprobs[1:])
+    assert plain.model_extra["prompt_logprobs"] is None
+
+
+def test_continuous_usage_stats(server):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the usage so
+    far of its choice; the last, as with ``include_usage`` alone, the request's."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with httpx.Client(base_url=server[0], timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    seen = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        index = chunk["choices"][0]["index"]
+        seen[index] += 1
+        assert chunk["usage"]["completion_tokens"] == seen[index]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and not chunks[-1]["choices"]
+
+
+def test_a_client_leaving_a_non_streamed_request_is_no_server_error(server):
+    """When a non-streamed request's client goes away, the request is aborted and the
+    handler returns quietly (closing the engine stream while it still runs would raise)."""
+    from labkit.engine.sampling import SamplingParams
+    from labkit.engine.server import _collect
+
+    engine = server[1]
+
+    class Gone:  # there for the first look, gone by the second: the request is running
+        looks = 0
+
+        async def is_disconnected(self):
+            self.looks += 1
+            return self.looks > 1
+
+    async def leave():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = engine.generate("Hello", params, "gone")
+        first = await stream.__anext__()
+        return await _collect(stream, first, Gone())
+
+    assert asyncio.run(leave()) is None
+    assert_no_leak(engine)
+
+
+def test_shutdown_does_not_wait_out_a_slow_step(tiny, monkeypatch):
+    """SIGTERM must stop the server within 5 s, 2 s of which uvicorn's graceful shutdown
+    takes: stopping the engine may not wait for a step that takes seconds (a slow
+    constraint), which finishes in its daemon thread instead."""
+    import time
+
+    from labkit.engine.sampling import SamplingParams
+
+    engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=64), served_model_name=MODEL)
+    forward, stepping = engine.engine.model.forward, threading.Event()
+
+    def slow_forward(*args, **kwargs):
+        stepping.set()
+        time.sleep(6)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.engine.model, "forward", slow_forward)
+
+    async def one_token():
+        await engine.generate("Hello", SamplingParams(max_tokens=1)).__anext__()
+
+    threading.Thread(target=asyncio.run, args=(one_token(),), daemon=True).start()
+    assert stepping.wait(10)
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < 3
+
+
+def test_a_template_refusal_names_messages_once(tiny, tmp_path):
+    """A chat template that rejects the conversation (Llama 2's raise_exception on roles out
+    of turn) is a 400 for messages, its message said once."""
+    import shutil
+    from pathlib import Path
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(Path(tiny, name), tmp_path / name)
+    config = json.loads(Path(tiny, "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if messages[0]['role'] != 'user' %}"
+                               "{{ raise_exception('Conversations must start with a user') }}"
+                               "{% endif %}{{ messages[0]['content'] }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = AsyncLLMEngine(EngineArgs(str(tmp_path), max_model_len=64), served_model_name=MODEL)
+    with serve_in_thread(engine) as base:
+        response = httpx.post(base + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages"
+    assert error["message"] == ("messages: the chat template rejected them: Conversations "
+                                "must start with a user")

@@ -43,10 +43,13 @@ def _cases():
         add(CHAT, {**chat, "messages": messages})
     for stop in ([""], [1, 2], "x" * 10_000, [None]):
         add(COMPLETIONS, {**base, "stop": stop})
-    for regex in ("(", "[\U0001f600]{3}", "a{100000000}", "(a{1000}){1000}", "(?<=x)y", "\\"):
+    for regex in ("(", "[\U0001f600]{3}", "a{100000000}", "(a{1000}){1000}", "(?<=x)y", "\\",
+                  "(" * 1000 + "a" + ")" * 1000):
         add(COMPLETIONS, {**base, "regex": regex})
     for so in ({"json": {"type": "wibble"}}, {"grammar": "root ::= 'a'"}, {"nonsense": 1},
-               {"choice": []}, {"regex": "a", "choice": ["a"]}, "yes"):
+               {"choice": []}, {"regex": "a", "choice": ["a"]}, "yes",
+               {"regex": "a{100000000}"}, {"json_object": True, "disable_any_whitespace": "no"},
+               {"json": json.loads('{"properties": {"a": ' * 400 + "{}" + "}}" * 400)}):
         add(COMPLETIONS, {**base, "structured_outputs": so})
     for rf in ({"type": "json_schema"}, {"type": "xml"}, {"type": "json_schema",
                "json_schema": {"schema": {"type": "object", "patternProperties": {}}}}, []):
@@ -54,12 +57,23 @@ def _cases():
     for extra in ({"best_of": 4}, {"logit_bias": {"1": 5}}, {"suffix": "x"},
                   {"presence_penalty": 1}, {"tools": [{"type": "function"}]},
                   {"stream_options": {"include_usage": True}}, {"model": "other"},
-                  {"model": None}, {"echo": "maybe"}, {"n": 3, "temperature": 0, "seed": -7}):
+                  {"model": None}, {"echo": "maybe"}, {"n": 3, "temperature": 0, "seed": -7},
+                  {"n": 2, "seed": 2**63 - 1}, {"stream": True, "prompt_logprobs": 1},
+                  {"allowed_token_ids": [5]}, {"priority": -1},
+                  {"stream": True, "stream_options": {"include_usage": True,
+                                                      "continuous_usage_stats": True}}):
         add(COMPLETIONS, {**base, **extra})
+    for extra in ({"echo": True}, {"chat_template": "{{ 1/0 }}"}, {"prompt_logprobs": 21},
+                  {"continue_final_message": True}, {"add_special_tokens": "x"},
+                  {"logprobs": True, "top_logprobs": 10**9}):
+        add(CHAT, {**chat, **extra})
     for raw in (b"", b"{", b"[]", b"null", b'"str"', b"\xff\xfe", b'{"model": "tiny", '
                 b'"prompt": "\\ud800"}', b'{"model": "tiny", "prompt": "a\\u0000b", '
                 b'"max_tokens": 2}', b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
-                b'{"model": "tiny", "prompt": "x", "max_tokens": Infinity}'):
+                b'{"model": "tiny", "prompt": "x", "max_tokens": Infinity}',
+                b'{"model": "\\ud800", "prompt": "x"}',  # quoted back in a 404's message
+                b'{"model": "tiny", "prompt": "x", "structured_outputs": {"json": '
+                b'{"type": "integer", "\\udc00": 1}}}'):  # named as the 400's param
         add(COMPLETIONS, raw)
     add(COMPLETIONS, {**base, "prompt": "x" * 5_000_000})   # past the request size limit
     add(COMPLETIONS, {**base, "top_k": 10**6, "temperature": 0.7})  # absurd but fair: 200

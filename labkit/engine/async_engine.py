@@ -87,10 +87,13 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Stop the loop after its current step. A step that outlasts ``timeout_s`` (a slow
+        constraint may take seconds) is left to finish in its daemon thread: a server on
+        SIGTERM must exit within 5 s, and a process exits without waiting for it."""
         self._stop.set()
         self._commands.put(("wake", None))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         try:

@@ -21,6 +21,7 @@ token holds whole.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +34,11 @@ REPLACEMENT_CHARACTER = "\ufffd"
 # 300 MB and ``a{100000000}`` more memory than the machine has. A server compiles a client's
 # pattern only after bounding that size.
 MAX_EXPANDED_SIZE = 100_000
+# A pattern that backtracks catastrophically, like ``(a|aa)*c``, takes time exponential in the
+# output's length to rule out a character: past 40 characters, hours. The engine loop is shared
+# by every request, so one mask may take at most this long; past it, the request fails alone
+# (all its choices: they share the constraint, which then refuses at once).
+MASK_TIMEOUT_S = 5.0
 _REPEAT = regex.compile(r"\{(\d*),?(\d*)\}")
 
 
@@ -72,38 +78,63 @@ def expanded_size(pattern: str) -> int:
     return sum(totals)
 
 
+def compile_bounded(pattern: str) -> regex.Pattern:
+    """``pattern`` compiled, once :func:`expanded_size` shows that compiling it is safe:
+    every compile of a client's pattern goes through here."""
+    size = expanded_size(pattern)
+    if size > MAX_EXPANDED_SIZE:
+        raise ParameterError("regex", f"regex: the pattern expands to about {size} "
+                                      f"elements, more than the {MAX_EXPANDED_SIZE} this "
+                                      f"server compiles (nested counted repeats multiply)")
+    try:
+        return regex.compile(pattern)
+    except regex.error as err:
+        raise ParameterError("regex", f"regex: invalid pattern: {err}") from None
+    except RecursionError:  # the compiler recurses per group: "(" * 1000 is too deep
+        raise ParameterError("regex", "regex: the pattern nests its groups too deeply") from None
+
+
 class RegexConstraint:
     """Which tokens may come next so that the output can still match ``pattern``."""
 
     def __init__(self, pattern: str, token_texts: Sequence[str], eos_token_id: int | None):
-        size = expanded_size(pattern)
-        if size > MAX_EXPANDED_SIZE:
-            raise ParameterError("regex", f"regex: the pattern expands to about {size} "
-                                          f"elements, more than the {MAX_EXPANDED_SIZE} this "
-                                          f"server compiles (nested counted repeats multiply)")
-        try:
-            self.pattern = regex.compile(pattern)
-        except regex.error as err:
-            raise ParameterError("regex", f"regex: invalid pattern: {err}") from None
+        self.pattern = compile_bounded(pattern)
         self.token_texts = token_texts
         self.eos_token_id = eos_token_id
+        self.too_slow = False  # a mask ran out of time: this pattern is given up on
         self._by_first_char: dict[str, list[int]] = {}
         for token_id, piece in enumerate(token_texts):
             if piece and REPLACEMENT_CHARACTER not in piece:
                 self._by_first_char.setdefault(piece[0], []).append(token_id)
 
     def allowed(self, text: str) -> np.ndarray:
-        """Boolean mask over the vocabulary for the token after ``text``."""
+        """Boolean mask over the vocabulary for the token after ``text``; a
+        :class:`~labkit.checks.ParameterError` if that takes over :data:`MASK_TIMEOUT_S`."""
+        deadline = time.monotonic() + MASK_TIMEOUT_S
         mask = np.zeros(len(self.token_texts), dtype=bool)
         for first, token_ids in self._by_first_char.items():
-            if self._can_continue(text + first):
+            if self._matches(text + first, deadline):
                 for token_id in token_ids:
                     piece = self.token_texts[token_id]
-                    mask[token_id] = len(piece) == 1 or self._can_continue(text + piece)
-        if self.eos_token_id is not None and self.pattern.fullmatch(text):
+                    mask[token_id] = len(piece) == 1 or self._matches(text + piece, deadline)
+        if self.eos_token_id is not None and self._matches(text, deadline, partial=False):
             mask[self.eos_token_id] = True
         return mask
 
-    def _can_continue(self, text: str) -> bool:
-        """Whether ``text`` is a match or the start of one."""
-        return self.pattern.fullmatch(text, partial=True) is not None
+    def is_full_match(self, text: str) -> bool:
+        """Whether ``text`` matches the whole pattern (within :data:`MASK_TIMEOUT_S`)."""
+        return self._matches(text, time.monotonic() + MASK_TIMEOUT_S, partial=False)
+
+    def _matches(self, text: str, deadline: float, partial: bool = True) -> bool:
+        """Whether ``text`` is a match or (``partial``) the start of one."""
+        left_s = deadline - time.monotonic()
+        try:
+            if self.too_slow or left_s <= 0:  # the regex module reads 0 s as "no time left"
+                raise TimeoutError
+            return self.pattern.fullmatch(text, partial=partial, timeout=left_s) is not None
+        except TimeoutError:
+            self.too_slow = True
+            raise ParameterError("regex", f"regex: matching the output took over "
+                                          f"{MASK_TIMEOUT_S:g} s; the pattern backtracks "
+                                          f"too much (nested or overlapping repeats, such as "
+                                          f"(a|aa)*)") from None

@@ -29,7 +29,6 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._longest_stop = max(map(len, self.stop), default=0)
         self.text = ""
         self.finished = False
 
@@ -37,8 +36,9 @@ class IncrementalDetokenizer:
         """Append one token's text; returns the stop string it completed, if any.
 
         ``check_stop=False`` (before ``min_tokens``) appends without looking. Only the end
-        of the text is searched: a stop string that ends inside the new piece
-        starts at most ``len(stop) - 1`` characters before it.
+        of the text is searched, for each stop string on its own: one that ends inside the
+        new piece starts at most ``len(stop) - 1`` characters before it. (A wider window
+        would find a short stop string written before ``min_tokens`` were out.)
         """
         piece = self._stream.step(self._hf, token_id)
         if not piece:
@@ -46,9 +46,10 @@ class IncrementalDetokenizer:
         if not check_stop:
             self.text += piece
             return None
-        start = max(0, len(self.text) - self._longest_stop + 1)
+        end = len(self.text)  # where the new piece starts
         self.text += piece
-        found = [(cut, stop) for stop in self.stop if (cut := self.text.find(stop, start)) != -1]
+        found = [(cut, stop) for stop in self.stop
+                 if (cut := self.text.find(stop, max(0, end - len(stop) + 1))) != -1]
         if not found:
             return None
         cut, stop = min(found)  # the earliest stop wins when one token completes two

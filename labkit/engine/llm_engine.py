@@ -136,15 +136,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = (self._encode(text, add_special_tokens) if text is not None
                      else self._check_token_ids(prompt))
-        max_tokens = params.max_tokens
-        if max_tokens is None:  # vLLM: as many as the context window leaves
-            max_tokens = max(self.max_model_len - len(token_ids), 1)
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise ParameterError(
-                "prompt" if len(token_ids) >= self.max_model_len else "max_tokens",
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
-                f"prompt, {max_tokens} for the completion).")
+        max_tokens = self._max_tokens(len(token_ids), params.max_tokens)
         if params.n > self.args.max_num_seqs:
             raise ParameterError("n", f"n must be at most max_num_seqs "
                                       f"({self.args.max_num_seqs}), got {params.n}")
@@ -252,7 +244,7 @@ class LLMEngine:
             r.parent_id for r in out.requests if r.request_id in sampled)]
 
     def _sample(self, request: EngineRequest, row: np.ndarray) -> int:
-        token = sample(row, request.params, request.rng, request.allowed)
+        token = sample(row, request.params, request.rng, request.sampling_mask(len(row)))
         if request.params.logprobs is not None:
             request.logprobs.append(logprobs_of(row, token, request.params.logprobs,
                                                 self._token_text))
@@ -280,7 +272,7 @@ class LLMEngine:
         if finished:
             del self.groups[parent_id]
         error = next((c.error for c in choices if c.error is not None), None)
-        prompt_logprobs = (first.prompt_logprobs
+        prompt_logprobs = (list(first.prompt_logprobs)
                            if first.params.prompt_logprobs is not None else None)
         return RequestOutput(parent_id, first.prompt, list(first.prompt_token_ids),
                              [c.completion() for c in choices], finished,
@@ -299,6 +291,25 @@ class LLMEngine:
         if not token_ids:
             raise ParameterError("prompt", "prompt must not be empty")
         return token_ids
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """vLLM's rule (0.32): a prompt must fit the context window; the completion gets what
+        the window leaves, or less if asked; asking for more than the window is an error."""
+        room = self.max_model_len - prompt_len
+        if room < 0:
+            raise ParameterError(
+                "input_tokens", f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, your prompt contains {prompt_len} input "
+                                f"tokens, which exceeds this limit even without any output "
+                                f"tokens. Please reduce the length of the input prompt.")
+        if requested is not None and requested > self.max_model_len:
+            raise ParameterError("max_tokens", f"max_tokens={requested} cannot be greater than "
+                                               f"max_model_len={self.max_model_len}")
+        max_tokens = room if requested is None else min(requested, room)
+        if max_tokens < 1:
+            raise ParameterError("max_tokens", f"max_tokens must be at least 1, got {max_tokens}: "
+                                               f"the {prompt_len}-token prompt fills the context")
+        return max_tokens
 
     def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
         token_ids = list(token_ids)
@@ -323,9 +334,9 @@ class LLMEngine:
             self._token_texts = [self._token_text(t) for t in range(self.tokenizer.vocab_size)]
         try:
             constraint = RegexConstraint(pattern, self._token_texts, self.tokenizer.eos_token_id)
+            allowed = constraint.allowed("")
         except ValueError as err:
             raise ParameterError(param, str(err)) from None
-        allowed = constraint.allowed("")
         if not allowed.any():
             raise ParameterError(param, f"{param}: no token of this model's vocabulary can "
                                         f"start a match")
@@ -360,13 +371,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ParameterError("sampling_params", "sampling_params: give one per prompt, "
-                                                    "or a single one")
+        prompts, params = pair_prompts(prompts, sampling_params)
         return self._run([self.llm_engine.process_inputs(p, sp)
                           for p, sp in zip(prompts, params, strict=True)], use_tqdm)
 
@@ -389,6 +394,21 @@ class LLM:
                     progress.update(1)
         progress.close()
         return [finished[i] for i in ids]
+
+
+def pair_prompts(prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                 ) -> tuple[list, list[SamplingParams]]:
+    """vLLM's offline ``generate`` arguments as two lists of equal length: one prompt (text
+    or token ids) or many, and one ``SamplingParams`` for all of them or one each."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params = sampling_params or SamplingParams()
+    params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ParameterError("sampling_params", "sampling_params: give one per prompt, "
+                                                "or a single one")
+    return list(prompts), params
 
 
 def _progress(total: int, enabled: bool):

@@ -2,7 +2,9 @@
 
 Dashboards and alerts written for vLLM (``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds`` ...) work unchanged
-against ``labkit serve``.
+against ``labkit serve``: same names, types, bucket edges and label names. vLLM labels every
+series with ``model_name`` and ``engine``, the index of the engine core behind the server (one
+per data-parallel rank); the teaching engine is a single core, engine ``"0"``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": "0"}
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:

@@ -66,7 +66,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None  # None where the engine keeps none (vLLM v1's offline LLM)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: Exception | None = field(default=None, repr=False)

@@ -19,16 +19,22 @@ from labkit.engine.structured import StructuredOutputsParams, from_response_form
 
 # Fields vLLM or OpenAI define that the teaching engine does not implement, with the value
 # that means "off": any other value is refused rather than ignored.
+# ``echo`` and the chat template's fields count for chat only: completions declare ``echo``.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
                "min_p": 0, "logit_bias": None, "best_of": 1, "suffix": None, "tools": None,
                "tool_choice": "none", "functions": None, "prompt_embeds": None,
                "guided_json": None, "guided_regex": None, "guided_choice": None,
                "guided_grammar": None, "use_beam_search": False, "length_penalty": 1,
-               "truncate_prompt_tokens": None, "audio": None, "modalities": None}
+               "truncate_prompt_tokens": None, "audio": None, "modalities": None,
+               "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+               "priority": 0, "return_tokens_as_token_ids": False, "return_token_ids": False,
+               "echo": False, "continue_final_message": False, "chat_template": None,
+               "chat_template_kwargs": None, "documents": None}
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class _SamplingRequest(BaseModel):
@@ -36,7 +42,7 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # optional in vLLM: the one model served
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,6 +56,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None
     regex: str | None = None  # SGLang's name, kept for chapter 2.3's examples
     structured_outputs: dict | None = None
     response_format: dict | None = None
@@ -67,6 +74,9 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed when "
                                                    "stream is true")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: a stream has no place for them
+            raise ParameterError("prompt_logprobs", "prompt_logprobs are not available when "
+                                                    "stream is true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -98,7 +108,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     add_special_tokens: bool = True
 
     def single_prompt(self) -> str | list[int]:
@@ -136,7 +145,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``. Without ``max_completion_tokens`` (or the older
-    ``max_tokens``) a reply may use the rest of the context window, as in vLLM."""
+    ``max_tokens``) a reply may use the rest of the context window, as in vLLM. The rendered
+    prompt is encoded without special tokens (its template wrote them) unless
+    ``add_special_tokens`` asks for them, as in vLLM."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -144,6 +155,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -151,7 +163,21 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+    def field_error(self, err: ParameterError) -> ParameterError:
+        """``err``, about an engine parameter, renamed after the chat field that set it
+        (``top_logprobs``, ``max_completion_tokens``, ``messages``): ``param`` names what
+        the client sent."""
+        fields = {"logprobs": "top_logprobs", "prompt": "messages",
+                  "max_tokens": ("max_tokens" if self.max_completion_tokens is None
+                                 else "max_completion_tokens")}
+        name = fields.get(err.param, err.param)
+        if name == err.param:
+            return err
+        message = str(err)
+        return ParameterError(name, name + message.removeprefix(err.param)
+                              if message.startswith(err.param) else message)
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -159,9 +185,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # -- responses ----------------------------------------------------------------------------
 
-def usage(output: RequestOutput) -> dict:
+def usage(output: RequestOutput, completion: int | None = None) -> dict:
+    """Token counts: the prompt's and, unless ``completion`` is given (a stream's running
+    count, as vLLM's ``continuous_usage_stats`` reports one choice's), every choice's."""
     prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
+    if completion is None:
+        completion = sum(len(c.token_ids) for c in output.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

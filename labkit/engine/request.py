@@ -80,23 +80,46 @@ class EngineRequest(Request):
 
     def _next_mask(self) -> str | None:
         """Mask the next token; a constrained output that nothing can continue ends here:
-        as a stop when it is already a full match, else as this request's error."""
-        self.allowed = self.constraint.allowed(self.detokenizer.text)
-        if self.allowed.any():
-            return None
-        if self.constraint.pattern.fullmatch(self.detokenizer.text):
-            return "stop"
-        self.error = ParameterError(
-            self.constraint_param, f"{self.constraint_param}: no token can continue the "
-                                   f"output {self.detokenizer.text!r}")
+        as a stop when it is already a full match, else as this request's error (as does a
+        pattern too slow to match, which must not stall the engine)."""
+        text = self.detokenizer.text
+        try:
+            self.allowed = self.constraint.allowed(text)
+            if self.allowed.any():
+                return None
+            if self.constraint.is_full_match(text):
+                return "stop"
+            problem = f"no token can continue the output {text!r}"
+        except ParameterError as err:
+            problem = str(err).removeprefix(f"{err.param}: ")
+        self.error = ParameterError(self.constraint_param,
+                                    f"{self.constraint_param}: {problem}")
         return "error"
 
+    def sampling_mask(self, vocab_size: int) -> np.ndarray | None:
+        """The tokens this request may sample next (``None``: any). Until ``min_tokens`` are
+        out, its stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked
+        too, as vLLM's min-tokens logits processor does: they cannot be sampled rather than
+        sampled and ignored. A constraint that allows nothing else keeps its mask."""
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            return self.allowed
+        stops = [t for t in params.stop_token_ids if 0 <= t < vocab_size]
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stops.append(self.eos_token_id)
+        if not stops:
+            return self.allowed
+        mask = np.ones(vocab_size, dtype=bool) if self.allowed is None else self.allowed.copy()
+        mask[stops] = False
+        return mask if mask.any() else self.allowed
+
     def completion(self) -> CompletionOutput:
-        """This choice's output as the client sees it now."""
+        """This choice's output as the client sees it now: a snapshot, since a server's
+        engine thread keeps appending to this request while the client's output is read."""
         return CompletionOutput(
             self.index, self.detokenizer.visible_text(), self.output_token_ids,
             self.finish_reason, self.stop_reason,
-            self.logprobs if self.params.logprobs is not None else None)
+            list(self.logprobs) if self.params.logprobs is not None else None)
 
     def request_metrics(self) -> RequestMetrics:
         times = self.token_times

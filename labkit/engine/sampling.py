@@ -22,6 +22,10 @@ from labkit.engine.structured import StructuredOutputsParams
 # by 1e-320 overflows to inf and the softmax to NaN.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default ``--max-logprobs``
+# Every stop string is looked for after every token, in the engine loop all requests share:
+# 200,000 of them (a 3 MB request) stall every other request for seconds per token. vLLM sets
+# no limit; OpenAI allows 4.
+MAX_STOP_STRINGS = 256
 _SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's request models accept any 64-bit seed
 
 
@@ -61,6 +65,8 @@ class SamplingParams:
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         positive_int("n", self.n)
         in_range("temperature", self.temperature, 0)
+        if self.n > 1 and self.greedy:  # vLLM's rule: n identical answers are wasted work
+            raise ParameterError("n", f"n must be 1 when using greedy sampling, got {self.n}")
         in_range("top_p", self.top_p, 0, 1, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ParameterError("top_k", f"top_k must be -1 or 0 (disabled) or a positive "
@@ -78,6 +84,9 @@ class SamplingParams:
                                                f"({self.max_tokens}), got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ParameterError("stop", "stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParameterError("stop", f"stop must hold at most {MAX_STOP_STRINGS} strings, "
+                                         f"got {len(self.stop)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -94,9 +103,12 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def for_choice(self, index: int) -> SamplingParams:
-        """The parameters of choice ``index`` of ``n``: one choice each, seeds ``seed + i``."""
-        seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        """The parameters of choice ``index`` of ``n``: one choice each, seeds ``seed + i``
+        (modulo 2**64, kept in the signed range, as a generator reads a 64-bit seed)."""
+        if self.seed is None:
+            return replace(self, n=1)
+        low, high = _SEED_RANGE
+        return replace(self, n=1, seed=(self.seed + index - low) % (high - low + 1) + low)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,

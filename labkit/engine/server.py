@@ -40,12 +40,21 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
+    return {"error": {"message": _encodable(message),
+                      "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": None if param is None else _encodable(param), "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_body(status, message, param))
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate escaped: an error may quote the client's input, and
+    JSON lets that hold ``"\ud800"``, which no UTF-8 response can carry."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param),
+                        headers=headers)
 
 
 class APIError(Exception):
@@ -77,7 +86,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        # Its headers too: a 405 must say which methods are allowed (``Allow``, RFC 9110).
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -105,8 +115,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
             "id": engine.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "labkit", "max_model_len": engine.engine.max_model_len}]}
 
-    def check_model(model: str) -> None:
-        if model != engine.model_name:
+    def check_model(model: str | None) -> None:
+        if model is not None and model != engine.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     async def start(prompt, params, prefix: str, add_special_tokens: bool):
@@ -127,18 +137,22 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         stream, first = await start(prompt, params, "cmpl", body.add_special_tokens)
         created = int(time.time())
         echo = _prompt_text(first, tokenizer) if body.echo else ""
+        # Each choice's next ``text_offset``. Offsets add up the tokens' own texts, as vLLM's
+        # do, not the text sent so far (held-back or multi-byte text differs), so the chunks
+        # of a stream carry exactly the offsets of the non-streamed response.
+        text_offsets = [0] * params.n
 
         def choice(output: RequestOutput, index: int, text: str, tokens: slice) -> dict:
             c = output.outputs[index]
             logprobs = None
             if c.logprobs is not None:
                 ids, entries = c.token_ids[tokens], c.logprobs[tokens]
-                offset = len(echo) + len(c.text) - len(text)  # where this piece starts
                 if body.echo and tokens.start == 0:  # the prompt's tokens come first
                     ids = output.prompt_token_ids + ids
                     entries = (output.prompt_logprobs or []) + entries
-                    offset = 0
-                logprobs = protocol.completion_logprobs(entries, ids, offset, decode_one)
+                logprobs = protocol.completion_logprobs(entries, ids, text_offsets[index],
+                                                        decode_one)
+                text_offsets[index] += sum(map(len, logprobs["tokens"]))
             if body.echo and tokens.start == 0:
                 text = echo + text
             return {"index": index, "text": text, "logprobs": logprobs,
@@ -162,16 +176,25 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         response["usage"] = protocol.usage(final)
         return response
 
+    async def render(body: ChatCompletionRequest) -> str:
+        """The conversation through the model's chat template, off the event loop."""
+        try:
+            return await asyncio.to_thread(tokenizer.apply_chat_template, body.message_dicts(),
+                                           body.add_generation_prompt)
+        except ParameterError:
+            raise  # the tokenizer's own, already naming messages
+        except (ValueError, jinja2.TemplateError) as err:
+            raise ParameterError("messages", f"messages: {err}") from None
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
-        params = body.to_sampling_params()
         try:
-            prompt = await asyncio.to_thread(tokenizer.apply_chat_template,
-                                             body.message_dicts(), body.add_generation_prompt)
-        except (ValueError, jinja2.TemplateError) as err:
-            raise ParameterError("messages", f"messages: {err}") from None
-        stream, first = await start(prompt, params, "chatcmpl", False)
+            params = body.to_sampling_params()
+            prompt = await render(body)
+            stream, first = await start(prompt, params, "chatcmpl", body.add_special_tokens)
+        except ParameterError as err:
+            raise body.field_error(err) from None
         created = int(time.time())
         num_top = params.logprobs or 0
 
@@ -186,9 +209,10 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
         def delta(output: RequestOutput, index: int, text: str, tokens: slice) -> dict:
             c = output.outputs[index]
+            # vLLM sends stop_reason only with the chunk that finishes the choice.
+            finish = protocol.finish_fields(c) if c.finished else {"finish_reason": None}
             return chunk(output, [{"index": index, "delta": {"content": text},
-                                   "logprobs": logprobs(c, tokens),
-                                   **protocol.finish_fields(c)}])
+                                   "logprobs": logprobs(c, tokens), **finish}])
 
         if body.stream:
             return _sse(stream, first, delta, chunk, body, role="assistant")
@@ -200,7 +224,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                     "index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": logprobs(c, slice(0, None)), **protocol.finish_fields(c)}
                     for i, c in enumerate(final.outputs)],
-                "usage": protocol.usage(final)}
+                "usage": protocol.usage(final),
+                "prompt_logprobs": protocol.prompt_logprobs_json(final)}  # vLLM's, top level
 
     return app
 
@@ -220,6 +245,8 @@ async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
         last = first
         async for output in stream:
             last = output
+            if output.error is not None:
+                break  # the request has failed: its other choices need not run on
         return last
 
     final = first
@@ -227,12 +254,15 @@ async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
         task = asyncio.create_task(drain())
         while not task.done():
             if await http.is_disconnected():
+                # The generator is still running inside ``task``: closing it now would raise.
+                # Cancelling the task ends it, and its ``finally`` aborts the request.
                 task.cancel()
-                await stream.aclose()
+                await asyncio.wait({task})
                 return None
             await asyncio.wait({task}, timeout=0.05)
         final = task.result()
     if final.error is not None:
+        await stream.aclose()  # aborts what is still running of it
         raise final.error
     return final
 
@@ -247,7 +277,15 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
     only ever extend the text, so the chunks add up to the final text. An error after the
     stream has started goes out as an error event, as vLLM sends it.
     """
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    # vLLM's continuous_usage_stats: every chunk also carries its choice's usage so far.
+    running_usage = include_usage and options.continuous_usage_stats
+
+    def with_usage(payload: dict, output: RequestOutput, completion: int) -> dict:
+        if not running_usage:
+            return payload
+        return {**payload, "usage": protocol.usage(output, completion)}
 
     async def events():
         n = len(first.outputs)
@@ -255,9 +293,9 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
         output = first
         try:
             if role is not None:  # chat: announce the speaker first, as OpenAI does
-                yield _event(chunk(first, [{"index": i, "delta": {"role": role, "content": ""},
-                                            "logprobs": None, "finish_reason": None}
-                                           for i in range(n)]))
+                yield _event(with_usage(chunk(first, [
+                    {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(n)]), first, 0))
             while True:
                 if output.error is not None:
                     raise output.error
@@ -265,7 +303,8 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
                     if done[i] or (len(c.token_ids) == sent_tokens[i] and not c.finished):
                         continue
                     piece = c.text[sent_text[i]:]
-                    yield _event(delta(output, i, piece, slice(sent_tokens[i], None)))
+                    yield _event(with_usage(delta(output, i, piece, slice(sent_tokens[i], None)),
+                                            output, len(c.token_ids)))
                     sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), \
                         c.finished
                 if output.finished:
@@ -298,8 +337,10 @@ class _Authentication:
                 and scope["path"].startswith("/v1")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                await error_response(401, "Unauthorized: a valid API key is required "
-                                          "(Authorization: Bearer ...)")(scope, receive, send)
+                refused = error_response(401, "Unauthorized: a valid API key is required "
+                                              "(Authorization: Bearer ...)",
+                                         headers={"WWW-Authenticate": "Bearer"})
+                await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import regex
 
 from labkit.checks import ParameterError
+from labkit.engine.constraints import compile_bounded
 
 WHITESPACE = r"[ ]?"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f\x7f-\x9f]|\\["\\/bfnrt])'
@@ -46,6 +47,12 @@ JSON_MAX_NESTING = 3
 """How deep objects and arrays may nest where the schema leaves the value open (``{}``, an
 object without ``properties``, ``json_object``). A regex cannot count brackets, so it spells
 out every level; each level multiplies the pattern's size by about four."""
+
+MAX_PATTERN_CHARS = 5_000_000
+"""The longest regex a schema may turn into, counted while it is built (each subschema's
+part once per level it sits in). Nested arrays double the pattern at every level and optional
+properties square it, so a schema of a few hundred bytes could otherwise ask for more memory
+than the machine has; any pattern near this size is refused later for its expanded size."""
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The constraint fields of ``StructuredOutputsParams``; exactly one must be set."""
@@ -84,6 +91,10 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):  # "no" would read as true
+                raise ParameterError(flag, f"{flag} must be true or false, got "
+                                           f"{getattr(self, flag)!r}")
         given = [kind for kind in KINDS if getattr(self, kind) is not None]
         if len(given) > 1:
             raise ParameterError("structured_outputs",
@@ -223,7 +234,10 @@ def json_schema_to_regex(schema: Mapping | str, *, whitespace: str = WHITESPACE)
             raise ParameterError("json", f"json: the schema is not valid JSON: {err}") from None
     if not isinstance(schema, Mapping):
         raise ParameterError("json", f"json must be a JSON Schema object, got {schema!r}")
-    return _SchemaConverter(schema, whitespace).value(schema, "#")
+    try:
+        return _SchemaConverter(schema, whitespace).value(schema, "#")
+    except RecursionError:  # a few hundred levels: far past any schema a regex could serve
+        raise ParameterError("json", "json: the schema nests too deeply") from None
 
 
 @dataclass
@@ -232,9 +246,24 @@ class _SchemaConverter:
 
     root: Mapping
     ws: str
-    expanding: tuple[str, ...] = ()  # the $refs being expanded: a repeat means recursion
+    expanding: list[str] = field(default_factory=list)  # $refs being expanded: no recursion
+    spent: int = 0  # characters of regex built so far, against MAX_PATTERN_CHARS
 
     def value(self, schema, path: str) -> str:
+        pattern = self._value(schema, path)
+        self._spend(len(pattern), path)
+        return pattern
+
+    def _spend(self, size: int, path: str) -> None:
+        """Count ``size`` more characters of regex, refusing the schema past the budget."""
+        self.spent += size
+        if self.spent > MAX_PATTERN_CHARS:
+            raise ParameterError("json", f"json: the schema's regex grows past "
+                                         f"{MAX_PATTERN_CHARS} characters (at {path}): nested "
+                                         f"arrays double it at every level, optional "
+                                         f"properties square it")
+
+    def _value(self, schema, path: str) -> str:
         if schema is True:
             return _any_value(self.ws, JSON_MAX_NESTING)
         if not isinstance(schema, Mapping):
@@ -306,6 +335,9 @@ class _SchemaConverter:
         members = [(name in required, self._literal(name) + f"{self.ws}:{self.ws}"
                     + self.value(sub, f"{path}/properties/{name}"))
                    for name, sub in properties.items()]
+        if not required:  # member j is written again after each earlier one: count first
+            repeat = 2 * len(self.ws) + 6  # "(?:", the comma and ")?" around each repeat
+            self._spend(sum(j * (len(m) + repeat) for j, (_, m) in enumerate(members, 1)), path)
         return _members(members, self.ws)
 
     def _array(self, schema: Mapping, path: str) -> str:
@@ -349,8 +381,11 @@ class _SchemaConverter:
                 if ref in self.expanding:
                     raise ParameterError("$ref", f"$ref: {ref!r} is recursive, which a regex "
                                                  f"cannot express (at {path})")
-                inner = dataclasses.replace(self, expanding=(*self.expanding, ref))
-                return inner.value(defs[name], ref)
+                self.expanding.append(ref)
+                try:
+                    return self.value(defs[name], ref)
+                finally:
+                    self.expanding.pop()
         raise ParameterError("$ref", f"$ref: only references to '#/$defs/NAME' or "
                                      f"'#/definitions/NAME' are supported, got {ref!r} "
                                      f"(at {path})")
@@ -466,8 +501,5 @@ def _checked_regex(pattern: str) -> str:
         raise ParameterError("regex", f"regex must be a string, got {pattern!r}")
     if "\x00" in pattern:
         raise ParameterError("regex", "regex must not contain a NUL character ('\\x00')")
-    try:
-        regex.compile(pattern)
-    except regex.error as err:
-        raise ParameterError("regex", f"regex: invalid pattern: {err}") from None
+    compile_bounded(pattern)  # a bad pattern is refused here, a huge one before compiling
     return pattern

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.grading import Feedback, check_number
-from labkit.simulate.metrics import RequestLatencies
+from labkit.hardware import get_model, kv_cache_bytes_per_token, kv_dtype_bytes
+from labkit.simulate.metrics import BenchmarkResult, RequestLatencies
 
 
 def check_stop_params(params) -> Feedback:
@@ -81,3 +82,33 @@ def check_goodput(answer: object, ttft_ms: Sequence[float], tpot_ms: Sequence[fl
                                   "counted all requests (that is throughput)":
                                       len(ttft_ms) / duration_s,
                                   "counted good requests, not per second": float(good)})
+
+
+def check_kv_bytes_per_token(answer: object, model, kv_dtype: str = "bf16") -> Feedback:
+    """Lab 02b: KV-cache bytes one token takes in ``model`` (a ``ModelSpec`` or preset name),
+    all layers, K and V, in ``kv_dtype``: what vLLM divides its KV memory by."""
+    spec = get_model(model)
+    per_value = kv_dtype_bytes(kv_dtype)
+    expected = kv_cache_bytes_per_token(spec, kv_dtype)
+    per_head = spec.num_layers * spec.head_dim * per_value
+    mistakes = {"used the attention heads, not the KV heads":
+                    2 * per_head * spec.num_attention_heads,
+                "counted K or V, not both": expected / 2,
+                "left out the layers (this is one layer)": expected / spec.num_layers,
+                "used 4 bytes per value (fp32)": expected * 4 / per_value,
+                "counted elements, not bytes": expected / per_value}
+    merged: dict[float, list[str]] = {}  # a small model can make two mistakes agree
+    for description, value in mistakes.items():
+        merged.setdefault(value, []).append(description)
+    return check_number(answer, expected, what="KV bytes per token", unit="bytes", rel_tol=0,
+                        mistakes={", or ".join(d): v for v, d in merged.items() if v != expected})
+
+
+def check_speedup(answer: object, fast: BenchmarkResult, slow: BenchmarkResult,
+                  what: str = "speedup") -> Feedback:
+    """Lab 02c: how many times more output tokens per second ``fast`` served than ``slow``
+    (two :class:`~labkit.simulate.BenchmarkResult` of the same requests)."""
+    expected = fast.output_throughput / slow.output_throughput
+    return check_number(answer, expected, what=what, unit="x", rel_tol=0.01,
+                        mistakes={"divided the other way round": 1 / expected,
+                                  "gave the gain in percent": 100 * (expected - 1)})

@@ -101,8 +101,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        for request in list(self.running):
+        budget = self.schedule_running(self.running, self.config.max_num_batched_tokens, out)
+        if not out.preempted:  # after a preemption, memory is short: admit nobody new
+            self.admit_waiting(out, budget)
+        return out
+
+    def schedule_running(self, requests: list[Request], budget: int,
+                         out: SchedulerOutput) -> int:
+        """Schedule ``requests`` (``running``, or its tail) in order within ``budget`` tokens;
+        returns the budget left.
+
+        :meth:`schedule` passes all of ``running``. The fast simulator
+        (:mod:`labkit.simulate.fast`) schedules the decodes at its head itself, in bulk, and
+        passes the rest with what is left of the budget.
+        """
+        for request in list(requests):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -112,9 +125,7 @@ class Scheduler:
                 break
             out.add(request, num_new, self.kv_cache.get_block_ids(request.request_id))
             budget -= num_new
-        if not out.preempted:  # after a preemption, memory is short: admit nobody new
-            self._admit_waiting(out, budget)
-        return out
+        return budget
 
     def update(self, out: SchedulerOutput, now: float,
                sampled: Mapping[str, int] | None = None) -> list[Request]:
@@ -197,11 +208,15 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv_cache.allocate_slots(request.request_id, request.token_ids, num_new) is None:
             # Victims come from the tail, past ``request``: none is in this step's batch yet.
-            victim = self.running.pop()
-            self._preempt(victim, out)
-            if victim is request:
+            if self.preempt_last(out) is request:
                 return False
         return True
+
+    def preempt_last(self, out: SchedulerOutput) -> Request:
+        """Preempt the most recently admitted running request, vLLM's victim; returns it."""
+        victim = self.running.pop()
+        self._preempt(victim, out)
+        return victim
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request.request_id)
@@ -212,7 +227,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit requests from the head of ``waiting`` (preempted ones went back there) while
+        ``budget``, seats (``max_num_seqs``) and free blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             blocks, num_cached = ([], 0) if request.skip_prefix_cache else \

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from labkit.simulate.metrics import BenchmarkResult, RequestLatencies
-from labkit.simulate.simulator import SimulationResult
+from labkit.simulate.records import SimulationResult
 
 
 def plot_kv_usage(results: Mapping[str, SimulationResult], ax=None):
