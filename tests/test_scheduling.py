@@ -276,9 +276,14 @@ def test_forked_requests_finish_with_their_tokens_and_nothing_leaks(lens, blocks
             for k in range(num_children.pop(parent.request_id, 0)):
                 child = Request(f"{parent.request_id}.{k}", parent.prompt_token_ids,
                                 [8] * (parent.max_tokens + k))  # may outlive its parent
-                children.append(child)
-                if not child.append_output_token(8, now):  # its first token may end it
+                if child.append_output_token(8, now):  # its first token may end it
+                    children.append(child)
+                    continue
+                try:
                     sched.fork_request(parent, child)
+                except ValueError:  # longer than the whole cache: refused, as any request
+                    continue
+                children.append(child)
     for r in requests + children:
         assert r.is_finished and r.token_ids == r.prompt_token_ids + list(r.output_plan)
     assert kv.block_pool.num_free_blocks == blocks and not kv.req_to_blocks
