@@ -29,7 +29,7 @@ def manager_cycle(num_blocks: int):
 
     def run(ops: int) -> None:
         tokens = [1] * 16
-        for i in range(ops):
+        for _ in range(ops):
             kv.allocate_slots("r", tokens, 16)
             kv.free("r")
     return run

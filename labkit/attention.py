@@ -26,20 +26,24 @@ class PagedKVStore:
         self.k = np.zeros(shape, dtype=dtype)
         self.v = np.zeros(shape, dtype=dtype)
 
-    def slots(self, block_table: Sequence[int], start: int,
-              stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(block, offset) of token positions ``start..stop-1`` through the block table."""
-        positions = np.arange(start, stop)
-        logical, offsets = np.divmod(positions, self.block_size)
+    def slot_mapping(self, block_table: Sequence[int], start: int, stop: int) -> np.ndarray:
+        """The cache slot of each token position ``start..stop-1``: ``block * block_size +
+        offset`` through the block table (vLLM's ``slot_mapping``)."""
         if stop > len(block_table) * self.block_size:
             raise ValueError(f"positions up to {stop} need more than {len(block_table)} blocks")
-        return np.asarray(block_table)[logical], offsets
+        logical, offsets = np.divmod(np.arange(start, stop), self.block_size)
+        return np.asarray(block_table, dtype=np.int64)[logical] * self.block_size + offsets
 
     def write(self, block_table: Sequence[int], start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store K/V of tokens at positions ``start, start+1, ...`` (``[tokens, heads, dim]``)."""
-        blocks, offsets = self.slots(block_table, start, start + len(k))
-        self.k[blocks, offsets] = k
-        self.v[blocks, offsets] = v
+        self.write_slots(self.slot_mapping(block_table, start, start + len(k)), k, v)
+
+    def write_slots(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store K/V row ``i`` in slot ``slots[i]``: the whole step's tokens in one scatter,
+        as vLLM's ``reshape_and_cache`` does."""
+        # The pools are contiguous, so these reshapes are views of them, not copies.
+        self.k.reshape(-1, *self.k.shape[2:])[slots] = k
+        self.v.reshape(-1, *self.v.shape[2:])[slots] = v
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst``: copy-on-write of a forked sequence's last,
@@ -47,11 +51,6 @@ class PagedKVStore:
         for src, dst in copies:
             self.k[dst] = self.k[src]
             self.v[dst] = self.v[src]
-
-    def gather(self, block_table: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of the first ``length`` tokens of a sequence, ``[length, heads, dim]``."""
-        blocks, offsets = self.slots(block_table, 0, length)
-        return self.k[blocks, offsets], self.v[blocks, offsets]
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -78,38 +77,78 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 
 
 def paged_attention(q: np.ndarray, store: PagedKVStore, block_table: Sequence[int],
-                    context_len: int) -> np.ndarray:
+                    context_len: int, tile_tokens: int = 256) -> np.ndarray:
     """Attention of ``q`` (the sequence's last ``len(q)`` tokens) over its paged K/V.
 
-    Like vLLM's kernel, it walks the block table one block at a time and never builds a
-    contiguous K: an online softmax keeps, per query and head, the running maximum score
-    ``m``, the running sum of ``exp(score - m)`` and the weighted sum of V, rescaling both
-    whenever ``m`` grows.
+    One sequence of :func:`batched_paged_attention`: ``q`` is ``[n, heads, dim]``.
     """
-    n, heads, dim = q.shape
-    group, bs = _gqa_group(heads, store.k.shape[2]), store.block_size
-    if not 1 <= n <= context_len:
-        raise ValueError(f"need 1 <= len(q) <= context_len, got {n} and {context_len}")
-    q_pos = context_len - n + np.arange(n)
-    qh = q.transpose(1, 0, 2) / np.sqrt(dim)  # [heads, n, dim]
-    running_max = np.full((heads, n), -np.inf)
-    denom = np.zeros((heads, n))
-    acc = np.zeros((heads, n, dim))
-    for i in range(cdiv(context_len, bs)):
-        start = i * bs
-        length = min(bs, context_len - start)
-        k = np.repeat(store.k[block_table[i], :length], group, axis=1).transpose(1, 2, 0)
-        v = np.repeat(store.v[block_table[i], :length], group, axis=1).transpose(1, 0, 2)
-        scores = qh @ k  # [heads, n, length]
-        visible = (start + np.arange(length))[None, :] <= q_pos[:, None]
-        scores = np.where(visible[None], scores, -np.inf)
-        new_max = np.maximum(running_max, scores.max(axis=-1))  # finite from block 0 on
+    if not 1 <= len(q) <= context_len:
+        raise ValueError(f"need 1 <= len(q) <= context_len, got {len(q)} and {context_len}")
+    return batched_paged_attention(q[None], store, [block_table], [context_len],
+                                   tile_tokens)[0]
+
+
+def batched_paged_attention(q: np.ndarray, store: PagedKVStore,
+                            block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                            tile_tokens: int = 256) -> np.ndarray:
+    """Attention of ``S`` sequences at once, each through its own block table.
+
+    ``q`` is ``[S, n, heads, dim]``: the last ``n`` tokens of each sequence (``n = 1`` for a
+    batch of decodes). Like vLLM's kernel, it never builds a contiguous K per sequence: it
+    walks the block tables a tile of blocks at a time, gathering that tile's blocks for every
+    sequence with one index array, and an online softmax keeps, per query and head, the
+    running maximum score ``m``, the running sum of ``exp(score - m)`` and the weighted sum
+    of V, rescaling both whenever ``m`` grows. Memory per tile is ``S x tile_tokens`` keys,
+    whatever the context lengths. Positions past a sequence's context (its padding) are
+    masked out.
+    """
+    num_seqs, n, heads, dim = q.shape
+    kv_heads, bs = store.k.shape[2], store.block_size
+    group = _gqa_group(heads, kv_heads)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    tables = _pad_tables(block_tables, context_lens, bs)
+    # Query heads h*group .. h*group+group-1 read KV head h: fold the group into the query
+    # axis instead of copying K and V once per query head.
+    qg = (q.reshape(num_seqs, n, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
+          .reshape(num_seqs, kv_heads, group * n, dim) / np.sqrt(dim).astype(q.dtype))
+    q_pos = context_lens[:, None] - n + np.arange(n)            # [S, n]
+    q_pos = np.tile(q_pos, group)[:, None, :, None]              # [S, 1, group*n, 1]
+    running_max = np.full((num_seqs, kv_heads, group * n), -np.inf, dtype=q.dtype)
+    denom = np.zeros_like(running_max)
+    acc = np.zeros((num_seqs, kv_heads, group * n, dim), dtype=q.dtype)
+    tile_blocks = max(1, tile_tokens // bs)
+    for first in range(0, tables.shape[1], tile_blocks):
+        blocks = tables[:, first:first + tile_blocks]           # [S, b]
+        length = blocks.shape[1] * bs
+        k = store.k[blocks].reshape(num_seqs, length, kv_heads, dim).transpose(0, 2, 3, 1)
+        v = store.v[blocks].reshape(num_seqs, length, kv_heads, dim).transpose(0, 2, 1, 3)
+        scores = qg @ k                                           # [S, kv_heads, group*n, len]
+        key_pos = first * bs + np.arange(length)
+        scores = np.where(key_pos <= q_pos, scores, -np.inf)   # causal, and past the context
+        # Finite from the first tile on: every query sees position 0.
+        new_max = np.maximum(running_max, scores.max(axis=-1))
         rescale = np.exp(running_max - new_max)
         p = np.exp(scores - new_max[..., None])
         denom = denom * rescale + p.sum(axis=-1)
         acc = acc * rescale[..., None] + p @ v
         running_max = new_max
-    return (acc / denom[..., None]).transpose(1, 0, 2)
+    out = acc / denom[..., None]                                 # [S, kv_heads, group*n, dim]
+    return (out.reshape(num_seqs, kv_heads, group, n, dim).transpose(0, 3, 1, 2, 4)
+            .reshape(num_seqs, n, heads, dim))
+
+
+def _pad_tables(block_tables: Sequence[Sequence[int]], context_lens: np.ndarray,
+                block_size: int) -> np.ndarray:
+    """The block tables as one ``[S, blocks]`` array, wide enough for the longest context;
+    short rows are padded with block 0 (any real block: the positions it stands for are
+    masked)."""
+    tables = np.zeros((len(block_tables), cdiv(int(context_lens.max()), block_size)),
+                      dtype=np.int64)
+    for row, table, length in zip(tables, block_tables, context_lens, strict=True):
+        if length > len(table) * block_size:
+            raise ValueError(f"positions up to {length} need more than {len(table)} blocks")
+        row[:len(table)] = table[:len(row)]
+    return tables
 
 
 def _gqa_group(heads: int, kv_heads: int) -> int:

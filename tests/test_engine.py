@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from labkit.engine import LLM, LLMEngine, EngineArgs, SamplingParams, write_tiny_model
+from labkit.engine import (
+    LLM,
+    EngineArgs,
+    LLMEngine,
+    RequestOutputKind,
+    SamplingParams,
+    write_tiny_model,
+)
 from labkit.engine.sampling import sample
 from labkit.engine.weights import load_safetensors
 
@@ -15,6 +22,7 @@ def tiny(tmp_path_factory):
 
 def collect_logits(engine, prompt_ids):
     """Run one request to its first token, gathering every prompt position's logits."""
+    engine.keep_all_logits = True
     rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=1, temperature=0))
     rows = []
     while engine.has_unfinished_requests():
@@ -353,3 +361,21 @@ def test_min_tokens_masks_the_stop_tokens_as_vllm_does(tiny):
     assert not request.sampling_mask(engine.vocab_size)[eos]
     ignoring = engine.process_inputs(prompt, SamplingParams(min_tokens=2, ignore_eos=True))[0]
     assert ignoring.sampling_mask(engine.vocab_size) is None
+
+
+def test_final_only_reports_a_request_once_when_it_finishes(tiny):
+    """vLLM's RequestOutputKind: a stream reads every step (CUMULATIVE); the offline API asks
+    for FINAL_ONLY, and gets the same final output without a snapshot per token."""
+    engine = LLMEngine(EngineArgs(tiny))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="every-step")
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                 output_kind=RequestOutputKind.FINAL_ONLY),
+                       request_id="final-only")
+    seen = {"every-step": [], "final-only": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert [o.finished for o in seen["every-step"]] == [False] * 4 + [True]
+    assert [o.finished for o in seen["final-only"]] == [True]
+    assert seen["final-only"][0].outputs == seen["every-step"][-1].outputs

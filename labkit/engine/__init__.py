@@ -11,8 +11,8 @@ from :mod:`labkit.scheduling`, and sampling with vLLM's parameters.
 
 from labkit.engine.llm_engine import LLM, EngineArgs, LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from labkit.engine.sampling import SamplingParams
+from labkit.engine.sampling import RequestOutputKind, SamplingParams
 from labkit.engine.tiny import write_tiny_model
 
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "write_tiny_model"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "write_tiny_model"]

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,13 @@ from labkit.engine.detokenizer import IncrementalDetokenizer
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
-from labkit.engine.sampling import SamplingParams, logprobs_of, rng_for, sample
+from labkit.engine.sampling import (
+    RequestOutputKind,
+    SamplingParams,
+    logprobs_of,
+    rng_for,
+    sample,
+)
 from labkit.engine.tokenizer import Tokenizer
 from labkit.hardware import (
     ModelSpec,
@@ -99,6 +105,9 @@ class LLMEngine:
         self._pending_forks: dict[str, list[EngineRequest]] = {}  # first choice -> the rest
         self._seeds = np.random.SeedSequence(args.seed)
         self._ids = itertools.count()
+        # Logits at every scheduled token, kept in last_step_logits (tests compare them with
+        # transformers'); normally only the positions sampled from are computed, as in vLLM.
+        self.keep_all_logits = False
         self.last_step_logits: dict[str, np.ndarray] = {}
         self.num_prompt_tokens = 0       # counters behind vLLM's Prometheus metrics
         self.num_generation_tokens = 0
@@ -214,17 +223,20 @@ class LLMEngine:
                 request.num_cached_tokens = request.num_computed_tokens
             start = request.num_computed_tokens
             new = request.token_ids[start:start + out.num_scheduled_tokens[request.request_id]]
-            batch.append(SequenceBatch(new, start, out.block_ids[request.request_id]))
+            batch.append(SequenceBatch(new, start, out.block_ids[request.request_id],
+                                       all_logits=self.keep_all_logits
+                                       or request.params.prompt_logprobs is not None))
         logits = self.model.forward(batch)
-        self.last_step_logits = {r.request_id: rows for r, rows
-                                 in zip(out.requests, logits, strict=True)}
+        if self.keep_all_logits:
+            self.last_step_logits = {r.request_id: rows for r, rows
+                                     in zip(out.requests, logits, strict=True)}
         sampled: dict[str, int] = {}
         forks: list[tuple[EngineRequest, EngineRequest, int]] = []
-        for request, rows in zip(out.requests, logits, strict=True):
+        for request, rows, seq in zip(out.requests, logits, batch, strict=True):
             start = request.num_computed_tokens
             if request.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(request, rows, start)
-            if start + len(rows) < request.num_tokens:
+            if start + len(seq.token_ids) < request.num_tokens:
                 continue  # a prefill chunk: nothing to sample yet
             if request.num_output_tokens == 0 and request.num_preemptions == 0:
                 self.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
@@ -241,7 +253,9 @@ class LLMEngine:
                 self.model.copy_blocks(self.scheduler.fork_request(parent, child))
         self.num_generation_tokens += len(sampled) + len(forks)
         return [self._output(parent) for parent in dict.fromkeys(
-            r.parent_id for r in out.requests if r.request_id in sampled)]
+            r.parent_id for r in out.requests if r.request_id in sampled
+            and (r.params.output_kind is RequestOutputKind.CUMULATIVE
+                 or all(c.is_finished for c in self.groups[r.parent_id])))]
 
     def _sample(self, request: EngineRequest, row: np.ndarray) -> int:
         token = sample(row, request.params, request.rng, request.sampling_mask(len(row)))
@@ -384,6 +398,8 @@ class LLM:
 
     def _run(self, requests: list[list[EngineRequest]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        for choice in (c for choices in requests for c in choices):
+            choice.params = replace(choice.params, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [engine.add_processed(choices) for choices in requests]
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids), use_tqdm)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from labkit.attention import PagedKVStore, paged_attention
+from labkit.attention import PagedKVStore, batched_paged_attention, paged_attention
 from labkit.checks import ParameterError
 from labkit.engine.weights import load_checkpoint
 from labkit.hardware import ModelSpec
@@ -24,11 +23,52 @@ from labkit.hardware import ModelSpec
 
 @dataclass(frozen=True)
 class SequenceBatch:
-    """One sequence's part of a step: its new tokens, where they start, and its block table."""
+    """One sequence's part of a step: its new tokens, where they start, and its block table.
+
+    ``all_logits`` asks for logits at every new token (prompt logprobs, tests); otherwise
+    only the last token's are computed, the one the engine samples from, as vLLM does.
+    """
 
     token_ids: Sequence[int]
     start: int
     block_table: Sequence[int]
+    all_logits: bool = True
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One layer's weights, transposed to ``[in, out]`` so every linear layer is ``x @ w``.
+
+    As in vLLM (``QKVParallelLinear``, ``MergedColumnParallelLinear``), the projections that
+    read the same input are stacked into one matrix: one matrix product instead of three
+    (q, k, v) or two (gate, up), so each step makes fewer, larger calls.
+    """
+
+    input_norm: np.ndarray
+    qkv: np.ndarray
+    qkv_bias: np.ndarray | None
+    o_proj: np.ndarray
+    post_norm: np.ndarray
+    gate_up: np.ndarray
+    down: np.ndarray
+
+    @classmethod
+    def from_checkpoint(cls, w: dict[str, np.ndarray]) -> DecoderLayer:
+        """From one layer's checkpoint tensors, named as in ``transformers`` (``[out, in]``)."""
+        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+        biases = [w.get(name + ".bias") for name in qkv]
+        return cls(
+            input_norm=w["input_layernorm.weight"],
+            qkv=_stack_transposed([w[name + ".weight"] for name in qkv]),
+            qkv_bias=None if biases[0] is None else np.concatenate(biases),
+            o_proj=_stack_transposed([w["self_attn.o_proj.weight"]]),
+            post_norm=w["post_attention_layernorm.weight"],
+            gate_up=_stack_transposed([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]),
+            down=_stack_transposed([w["mlp.down_proj.weight"]]))
+
+    @property
+    def tensors(self) -> list[np.ndarray]:
+        return [t for t in vars(self).values() if t is not None]
 
 
 class LlamaModel:
@@ -43,10 +83,12 @@ class LlamaModel:
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.inv_freq = _rope_inv_freq(config, self.spec.head_dim)
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed)  # tied when absent
+        # Tied when absent; transposed once, so the last matrix product is a plain x @ w too.
+        self.lm_head = np.ascontiguousarray(weights.get("lm_head.weight", self.embed).T)
         self.norm = weights["model.norm.weight"]
-        self.layers = [{key.split(f"layers.{i}.", 1)[1]: value for key, value in weights.items()
-                        if f"layers.{i}." in key} for i in range(self.spec.num_layers)]
+        self.layers = [DecoderLayer.from_checkpoint(
+            {key.split(f"layers.{i}.", 1)[1]: value for key, value in weights.items()
+             if f"layers.{i}." in key}) for i in range(self.spec.num_layers)]
         self.allocate_kv_cache(num_blocks, block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -68,46 +110,77 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + [w for layer in self.layers for w in layer.values()]
-        if self.lm_head is not self.embed:
+        tensors = [self.embed, self.norm] + [t for layer in self.layers for t in layer.tensors]
+        if not np.shares_memory(self.lm_head, self.embed):
             tensors.append(self.lm_head)
         return sum(t.nbytes for t in tensors)
 
     def forward(self, batch: Sequence[SequenceBatch],
                 observe: Callable[[str, np.ndarray], None] | None = None) -> list[np.ndarray]:
-        """Logits ``[new_tokens, vocab]`` for each sequence; writes their K/V to the cache.
+        """Logits for each sequence (``[new_tokens, vocab]``, or ``[1, vocab]`` for the last
+        token unless ``all_logits``); writes their K/V to the cache.
+
+        The whole step is one batch, as in vLLM: every new token of every sequence is a row
+        of one ``[tokens, hidden]`` matrix, so each weight matrix is read once per step
+        however many sequences run. Only attention looks at sequences: the decodes (one new
+        token each) attend together in one call, each prefill chunk in its own.
 
         ``observe(name, x)``, if given, sees the input of every linear layer (named as in the
         checkpoint, e.g. ``model.layers.0.mlp.down_proj``): calibration for chapter 4.
         """
-        spec = self.spec
-        tokens = np.concatenate([np.asarray(s.token_ids) for s in batch])
-        positions = np.concatenate([np.arange(s.start, s.start + len(s.token_ids))
-                                    for s in batch])
+        spec, store0 = self.spec, self.kv[0]
+        lengths = [len(s.token_ids) for s in batch]
+        tokens = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in batch])
+        positions = np.concatenate([np.arange(s.start, s.start + n)
+                                    for s, n in zip(batch, lengths, strict=True)])
+        # Where each token's K/V goes, worked out once for all layers (same tables in each).
+        slots = np.concatenate([store0.slot_mapping(s.block_table, s.start, s.start + n)
+                                for s, n in zip(batch, lengths, strict=True)])
+        offsets = np.cumsum([0] + lengths)
+        decodes = [i for i, n in enumerate(lengths) if n == 1]
+        prefills = [i for i, n in enumerate(lengths) if n > 1]
         cos, sin = self._rope_tables(positions)
         x = self.embed[tokens]
         for index, (layer, store) in enumerate(zip(self.layers, self.kv, strict=True)):
-            linear = partial(_observed_linear, layer=layer, prefix=f"model.layers.{index}.",
-                             observe=observe)
-            h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
-            q = linear(h, "self_attn.q_proj").reshape(len(x), spec.num_attention_heads, -1)
-            k = linear(h, "self_attn.k_proj").reshape(len(x), spec.num_kv_heads, -1)
-            v = linear(h, "self_attn.v_proj").reshape(len(x), spec.num_kv_heads, -1)
+            prefix = f"model.layers.{index}."
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            _observe(observe, prefix, ("self_attn.q_proj", "self_attn.k_proj",
+                                       "self_attn.v_proj"), h)
+            qkv = h @ layer.qkv
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            q_width = spec.num_attention_heads * spec.head_dim
+            q = qkv[:, :q_width].reshape(len(x), spec.num_attention_heads, -1)
+            k, v = np.split(qkv[:, q_width:].reshape(len(x), 2 * spec.num_kv_heads, -1), 2,
+                            axis=1)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            outputs, offset = [], 0
-            for seq in batch:
-                n = len(seq.token_ids)
-                store.write(seq.block_table, seq.start, k[offset:offset + n], v[offset:offset + n])
-                outputs.append(paged_attention(q[offset:offset + n], store, seq.block_table,
-                                               seq.start + n))
-                offset += n
-            attn = np.concatenate(outputs).reshape(len(x), -1).astype(np.float32)
-            x = x + linear(attn, "self_attn.o_proj")
-            h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
-            gate, up = linear(h, "mlp.gate_proj"), linear(h, "mlp.up_proj")
-            x = x + linear(gate / (1 + np.exp(-gate)) * up, "mlp.down_proj")
-        logits = _rms_norm(x, self.norm, self.eps) @ self.lm_head.T
-        return np.split(logits, np.cumsum([len(s.token_ids) for s in batch])[:-1])
+            store.write_slots(slots, k, v)
+            attn = np.empty_like(q)
+            if decodes:
+                rows = offsets[decodes]
+                attn[rows] = batched_paged_attention(
+                    q[rows, None], store, [batch[i].block_table for i in decodes],
+                    [batch[i].start + 1 for i in decodes])[:, 0]
+            for i in prefills:
+                rows = slice(offsets[i], offsets[i + 1])
+                attn[rows] = paged_attention(q[rows], store, batch[i].block_table,
+                                             batch[i].start + lengths[i])
+            attn = attn.reshape(len(x), -1)
+            _observe(observe, prefix, ("self_attn.o_proj",), attn)
+            x = x + attn @ layer.o_proj
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            _observe(observe, prefix, ("mlp.gate_proj", "mlp.up_proj"), h)
+            gate, up = np.split(h @ layer.gate_up, 2, axis=1)
+            act = gate / (1 + np.exp(-gate)) * up
+            _observe(observe, prefix, ("mlp.down_proj",), act)
+            x = x + act @ layer.down
+        # Logits only where someone reads them: the LM head is the largest matrix of a small
+        # model, and a prefill chunk needs just its last row.
+        keep = np.concatenate([np.arange(offsets[i] if s.all_logits else offsets[i + 1] - 1,
+                                         offsets[i + 1]) for i, s in enumerate(batch)])
+        logits = _rms_norm(x[keep], self.norm, self.eps) @ self.lm_head
+        counts = [n if s.all_logits else 1 for s, n in zip(batch, lengths, strict=True)]
+        return np.split(logits, np.cumsum(counts)[:-1])
 
     def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         freqs = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
@@ -115,17 +188,16 @@ class LlamaModel:
         return np.cos(emb), np.sin(emb)
 
 
-def _observed_linear(x: np.ndarray, name: str, *, layer: dict[str, np.ndarray], prefix: str,
-                     observe: Callable[[str, np.ndarray], None] | None) -> np.ndarray:
+def _stack_transposed(weights: list[np.ndarray]) -> np.ndarray:
+    """``[out, in]`` matrices stacked along ``out`` and stored as one contiguous ``[in, out]``."""
+    return np.ascontiguousarray(np.concatenate(weights).T)
+
+
+def _observe(observe: Callable[[str, np.ndarray], None] | None, prefix: str,
+             names: Sequence[str], x: np.ndarray) -> None:
     if observe is not None:
-        observe(prefix + name, x)
-    return _linear(x, layer, name)
-
-
-def _linear(x: np.ndarray, layer: dict[str, np.ndarray], name: str) -> np.ndarray:
-    y = x @ layer[name + ".weight"].T
-    bias = layer.get(name + ".bias")
-    return y + bias if bias is not None else y
+        for name in names:
+            observe(prefix + name, x)
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 import numpy as np
 
@@ -27,6 +28,15 @@ MAX_LOGPROBS = 20  # vLLM's default ``--max-logprobs``
 # no limit; OpenAI allows 4.
 MAX_STOP_STRINGS = 256
 _SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's request models accept any 64-bit seed
+
+
+class RequestOutputKind(Enum):
+    """When the engine reports a request, as vLLM's enum of that name: after every step
+    (``CUMULATIVE``, what a stream reads), or once it has finished (``FINAL_ONLY``, what the
+    offline ``LLM.generate`` asks for, so no snapshot is built per token)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2  # vLLM's value; its DELTA (1) is not implemented here
 
 
 @dataclass
@@ -58,6 +68,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     regex: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -17,7 +17,7 @@ from labkit.checks import positive_int
 from labkit.kvcache.hashing import BlockHash
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVCacheBlock:
     """One block of ``block_size`` token slots in every layer's K and V cache.
 
@@ -61,7 +61,11 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is self._tail:
             raise ValueError("no free blocks")
-        self.remove(block)
+        # remove(), inlined: the hottest call of a long simulation.
+        nxt = block.next_free
+        self._head.next_free, nxt.prev_free = nxt, self._head
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
         return block
 
     def append(self, block: KVCacheBlock) -> None:
@@ -110,13 +114,14 @@ class BlockPool:
         """Take ``n`` blocks from the head of the free queue, evicting their cached prefixes."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
-            self._evict(block)
+        blocks = [self.free_queue.popleft() for _ in range(n)]
+        for block in blocks:
+            if block.block_hash is not None:  # evict its cached prefix
+                del self.cached[block.block_hash.value]
+                block.block_hash = block.parent_content_id = None
+                self.num_evictions += 1
             block.generation += 1  # new content: links recorded to the old one stop matching
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash,
@@ -149,7 +154,9 @@ class BlockPool:
             return
         if block_hash.value in self.cached:  # the same prefix twice, or a collision: keep one
             return
-        block.block_hash, block.parent_content_id = block_hash, _content_id(parent)
+        block.block_hash = block_hash
+        block.parent_content_id = (None if parent is None
+                                   else (parent.block_id, parent.generation))
         self.cached[block_hash.value] = block
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -164,12 +171,6 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached[block.block_hash.value]
-            block.block_hash = block.parent_content_id = None
-            self.num_evictions += 1
 
 
 def _content_id(block: KVCacheBlock | None) -> tuple[int, int] | None:

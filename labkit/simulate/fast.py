@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from labkit.kvcache import KVCacheBlock, KVCacheManager
+from labkit.kvcache import KVCacheBlock, KVCacheManager, hash_block_tokens
 from labkit.scheduling import Request, Scheduler, SchedulerOutput
 from labkit.simulate.cost import StepCostModel, row_totals
 from labkit.simulate.records import SimulationResult, StepRecord
@@ -95,6 +95,11 @@ def _cyclic_gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        # The objects made meanwhile would all wait in the youngest generation, and the first
+        # collection after enable() would scan every one of them. Freezing moves them aside
+        # and unfreezing puts them in the oldest generation, which is rarely collected.
+        gc.freeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -191,7 +196,7 @@ class _FastSimulator:
                 s.blocks.append(block)
                 s.block_ids.append(block.block_id)
             if filling and (context + 1) % size == 0:
-                self._cache_full_block(s, t, (context + 1) // size - 1)
+                self._cache_full_block(s, (context + 1) // size - 1)
         return True
 
     def _preempt_for(self, s: _Steady, t: int, out: SchedulerOutput) -> bool:
@@ -206,14 +211,23 @@ class _FastSimulator:
                 return False
         return True
 
-    def _cache_full_block(self, s: _Steady, t: int, index: int) -> None:
-        """Offer block ``index`` of ``s``, just filled, to the prefix cache (its hash needs
-        the request's tokens, so they are brought up to date first)."""
-        self._sync(s, t)
-        blocks, request_id = s.blocks, s.request.request_id
-        self.kv.block_pool.cache_block(blocks[index], s.request.block_hashes[index],
+    def _cache_full_block(self, s: _Steady, index: int) -> None:
+        """Offer block ``index`` of ``s``, just filled, to the prefix cache. Its hash comes
+        from the planned tokens: the Request itself stays lazy (``Request.block_hashes`` only
+        runs ahead of its ``token_ids``, and the hasher skips blocks already hashed)."""
+        r, size, blocks = s.request, self.block_size, s.blocks
+        hashes = r.block_hashes
+        if len(hashes) == index:
+            start, known = index * size, len(r.token_ids)
+            tokens = r.token_ids[start:start + size]
+            if len(tokens) < size:
+                planned = max(start, known) - r.prompt_len
+                tokens += r.output_plan[planned:planned + size - len(tokens)]
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens,
+                                            r.block_hasher.hash_fn))
+        self.kv.block_pool.cache_block(blocks[index], hashes[index],
                                        blocks[index - 1] if index else None)
-        self.kv.req_num_cached_blocks[request_id] = index + 1
+        self.kv.req_num_cached_blocks[r.request_id] = index + 1
 
     def _sync(self, s: _Steady, t: int) -> None:
         """Bring ``s``'s Request up to date with the tokens of every step before ``t``."""
