@@ -2,6 +2,7 @@
 
     labkit serve MODEL_DIR [vLLM's flags]   an OpenAI-compatible server for the teaching engine
     labkit tiny-model PATH                  write a tiny random Llama with a real tokenizer
+    labkit gateway --backend URL ...        a streaming gateway in front of servers (chapter 5)
 """
 
 from __future__ import annotations
@@ -54,19 +55,61 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
                       device_memory_gib=ns.device_memory_gib)
 
 
+def gateway_parser(subparsers) -> argparse.ArgumentParser:
+    """``labkit gateway``: :class:`labkit.gateway.Gateway` behind uvicorn (chapter 5).
+    Host and port default to vllm-router's (127.0.0.1:30000, vllm-router 0.1.17
+    ``router_args.py``)."""
+    from labkit.gateway.routing import STRATEGIES
+
+    p = subparsers.add_parser("gateway", help="an OpenAI-compatible gateway in front of "
+                                              "several servers")
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="a backend server's base URL, e.g. http://127.0.0.1:8001 (repeat)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="endpoint_picker")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and the admin routes")
+    p.add_argument("--session-header", default="x-session-id",
+                   help="header whose value keys consistent_hash routing")
+    p.add_argument("--seed", type=int, default=None, help="seed of the router's randomness")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
     tiny = sub.add_parser("tiny-model", help="write a tiny random Llama model directory")
     tiny.add_argument("path")
+    gateway_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "tiny-model":
         from labkit.engine.tiny import write_tiny_model
 
         print(write_tiny_model(ns.path))
         return 0
+    if ns.command == "gateway":
+        return gateway(ns)
     return serve(ns)
+
+
+def gateway(ns: argparse.Namespace) -> int:
+    """Serve a :class:`labkit.gateway.Gateway` until SIGTERM; returns the exit status."""
+    import uvicorn
+
+    from labkit.gateway import Gateway
+
+    try:
+        app = Gateway(ns.backend, ns.strategy, api_key=ns.api_key,
+                      session_header=ns.session_header, seed=ns.seed).app
+    except ValueError as err:
+        print(f"labkit gateway: {err}", file=sys.stderr)
+        return 2
+    # As labkit serve: a bounded graceful shutdown, so SIGTERM ends open streams too.
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning",
+                timeout_graceful_shutdown=2)
+    return 0
 
 
 def serve(ns: argparse.Namespace) -> int:

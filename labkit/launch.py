@@ -19,8 +19,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
@@ -220,9 +221,13 @@ class ServerProcess:
         return server
 
     def start(self) -> ServerProcess:
+        """Start the server and wait for its ``/health``; a server already running is kept
+        (``with`` on a started server does not start a second one)."""
+        if self.process is not None and self.process.poll() is None:
+            return self
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=die_with_parent,
+                                            start_new_session=True, preexec_fn=parent_death_hook(),
                                             env={**os.environ, **self.env})
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -263,6 +268,14 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def parent_death_hook() -> Callable[[], None] | None:
+    """``preexec_fn`` for a server started from this thread: :func:`die_with_parent` on the
+    main thread, none elsewhere. Linux sends the parent-death signal when the *thread* that
+    forked the child exits, so a server started from a worker thread (``asyncio.to_thread``,
+    a thread pool) would die with that thread; such servers are stopped by their owners."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def die_with_parent() -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from labkit.checks import positive_int
 from labkit.engine.llm_engine import pair_prompts
 from labkit.engine.outputs import CompletionOutput, RequestOutput
-from labkit.launch import die_with_parent
+from labkit.launch import parent_death_hook
 from labkit.engine.sampling import SamplingParams
 from labkit.hardware import ModelSpec, kv_cache_bytes_per_token
 from labkit.units import cdiv
@@ -75,7 +75,7 @@ class RemoteLLM:
         with open(self.log_path, "a") as log:
             self._process = subprocess.Popen(
                 [python, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log, text=True, start_new_session=True, preexec_fn=die_with_parent,
+                stderr=log, text=True, start_new_session=True, preexec_fn=parent_death_hook(),
                 env={**os.environ, **cpu_env(kv_cache_space_gib)})
         self._call({"op": "init", "kwargs": {"model": model, **engine_args}})
 

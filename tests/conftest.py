@@ -11,30 +11,40 @@ matplotlib.use("Agg")
 
 
 @contextlib.contextmanager
-def serve_in_thread(engine, **app_options):
-    """Serve ``engine`` (an AsyncLLMEngine) over HTTP on a free loopback port; yields the
-    base URL and stops the server and the engine on exit."""
+def serve_asgi(app):
+    """Serve any ASGI app (lifespan included) with uvicorn on a free loopback port, in a
+    thread; yields the base URL and stops the server on exit."""
     import uvicorn
 
-    from labkit.engine.server import build_app
     from labkit.launch import free_port
 
     port = free_port()
-    config = uvicorn.Config(build_app(engine, **app_options), host="127.0.0.1", port=port,
-                            log_level="error", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                            timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not server.started:
         time.sleep(0.02)
     assert server.started, "the test server did not start"
     try:
-        yield base
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine, **app_options):
+    """Serve ``engine`` (an AsyncLLMEngine) over HTTP on a free loopback port; yields the
+    base URL and stops the server and the engine on exit."""
+    from labkit.engine.server import build_app
+
+    try:
+        with serve_asgi(build_app(engine, **app_options)) as base:
+            yield base
+    finally:
         engine.shutdown()
 
 

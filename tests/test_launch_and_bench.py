@@ -282,3 +282,31 @@ def test_vllms_own_parser_reads_the_multi_node_command():
             parsed["max_model_len"]) == (4, 2, "ray", "awq", 8192)
     with pytest.raises(ValueError, match="rejected"):
         parse_serve_command(python, [*serve, "--tensor-parallel-sise", "2"])
+
+
+def test_a_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
+    """The parent-death signal fires when the forking *thread* exits: a server started from a
+    thread pool must not get it, and ``with`` on a started server keeps the one process."""
+    import sys
+    import threading
+    import time
+
+    from labkit.launch import ServerProcess, free_port
+
+    (tmp_path / "health").write_text("ok")  # http.server answers GET /health with 200
+    port = free_port()
+    server = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind",
+                            "127.0.0.1", "--directory", str(tmp_path)],
+                           f"http://127.0.0.1:{port}", startup_timeout_s=30)
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    try:
+        time.sleep(0.5)
+        assert server.process.poll() is None
+        first = server.process.pid
+        with server:
+            assert server.process.pid == first
+    finally:
+        server.stop()
+    assert server.process.poll() is not None

@@ -1,18 +1,17 @@
 """An OpenAI-compatible HTTP server for the teaching engine (chapter 2.2).
 
 The same routes as ``vllm serve``: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (streaming over server-sent events or not), ``/health`` and
-``/metrics``. Every 4xx is an OpenAI error object (``{"error": {"message", "type", "param",
-"code"}}``), so the official ``openai`` client raises its usual exceptions. As with vLLM,
-``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and ``/health`` answers 503
-once the engine loop has died, so an orchestrator restarts the server.
+``/v1/chat/completions`` (streaming over server-sent events or not), ``/tokenize``,
+``/health`` and ``/metrics``. Every 4xx is an OpenAI error object (``{"error": {"message",
+"type", "param", "code"}}``), so the official ``openai`` client raises its usual exceptions.
+As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and
+``/health`` answers 503 once the engine loop has died, so an orchestrator restarts the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,8 +19,9 @@ from collections.abc import AsyncIterator, Callable
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,37 +30,44 @@ from labkit.engine import protocol
 from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.protocol import ChatCompletionRequest, CompletionRequest
+from labkit.openai_http import APIKeyAuthentication, error_body, error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it is parsed
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-                422: "UnprocessableEntityError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": _encodable(message),
-                      "type": _ERROR_TYPES.get(status, "APIError"),
-                      "param": None if param is None else _encodable(param), "code": status}}
-
-
-def _encodable(text: str) -> str:
-    """``text`` with any lone surrogate escaped: an error may quote the client's input, and
-    JSON lets that hold ``"\ud800"``, which no UTF-8 response can carry."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_body(status, message, param),
-                        headers=headers)
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` body in either of its forms: a ``prompt``, encoded as
+    ``/v1/completions`` encodes it, or chat ``messages``, rendered as
+    ``/v1/chat/completions`` renders them. ``add_special_tokens`` defaults as vLLM's two
+    request types do (``vllm/entrypoints/serve/tokenize/protocol.py``, vLLM 0.32): on for a
+    prompt, off for messages, whose template writes the BOS itself."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[protocol.ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParameterError("prompt", "give either prompt or messages, not both or "
+                                           "neither")
+        # vLLM's chat fields that the teaching engine's template renderer does not take.
+        for name in ("continue_final_message", "chat_template", "chat_template_kwargs",
+                     "tools"):
+            off = protocol.UNSUPPORTED[name]
+            value = (self.model_extra or {}).get(name, off)
+            if value not in (off, None):
+                raise ParameterError(name, f"{name} is not supported by the teaching engine "
+                                           f"(got {value!r})")
 
 
 def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
@@ -70,7 +77,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                   openapi_url=None)
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(_Authentication, api_key=api_key)
+        app.add_middleware(APIKeyAuthentication, api_key=api_key)
     tokenizer = engine.engine.tokenizer
     decode_one = engine.engine._token_text  # noqa: SLF001 - the engine's one token-text rule
 
@@ -176,11 +183,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         response["usage"] = protocol.usage(final)
         return response
 
-    async def render(body: ChatCompletionRequest) -> str:
+    async def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """The conversation through the model's chat template, off the event loop."""
         try:
-            return await asyncio.to_thread(tokenizer.apply_chat_template, body.message_dicts(),
-                                           body.add_generation_prompt)
+            return await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                           add_generation_prompt)
         except ParameterError:
             raise  # the tokenizer's own, already naming messages
         except (ValueError, jinja2.TemplateError) as err:
@@ -191,7 +198,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
         check_model(body.model)
         try:
             params = body.to_sampling_params()
-            prompt = await render(body)
+            prompt = await render(body.message_dicts(), body.add_generation_prompt)
             stream, first = await start(prompt, params, "chatcmpl", body.add_special_tokens)
         except ParameterError as err:
             raise body.field_error(err) from None
@@ -226,6 +233,25 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                     for i, c in enumerate(final.outputs)],
                 "usage": protocol.usage(final),
                 "prompt_logprobs": protocol.prompt_logprobs_json(final)}  # vLLM's, top level
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """The prompt's token ids, as the engine would see them. vllm-router's
+        ``cache_aware`` policy asks a worker for them (chapter 5) and keys its prefix tree
+        on tokens rather than characters when it gets them."""
+        check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            text = await render([{"role": m.role, "content": m.text()} for m in body.messages],
+                                body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = tokenizer.encode(text, add_special_tokens=special)
+        strs = ([tokenizer.hf_tokenizer.id_to_token(i) for i in ids] if body.return_token_strs
+                else None)
+        return {"count": len(ids), "max_model_len": engine.engine.max_model_len,
+                "tokens": ids, "token_strs": strs}
 
     return app
 
@@ -324,25 +350,6 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class _Authentication:
-    """vLLM's API-key check: ``Authorization: Bearer KEY`` on every ``/v1`` route."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                refused = error_response(401, "Unauthorized: a valid API key is required "
-                                              "(Authorization: Bearer ...)",
-                                         headers={"WWW-Authenticate": "Bearer"})
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _BodyLimit:

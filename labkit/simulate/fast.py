@@ -58,13 +58,13 @@ def simulate_fast(scheduler: Scheduler, requests: Sequence[Request], step_cost: 
                   max_steps: int) -> SimulationResult:
     """Run ``requests`` through ``scheduler`` exactly as :func:`~labkit.simulate.simulate`
     does step by step (check :func:`can_simulate_fast` first)."""
-    sim = _FastSimulator(scheduler, step_cost)
+    sim = FastSimulator(scheduler, step_cost)
     arrivals = sorted(requests, key=lambda r: r.arrival_time)  # stable, like the event heap
     result = SimulationResult(list(requests))
     steps, kv = result.steps, scheduler.kv_cache
     times = [r.arrival_time for r in arrivals] + [float("inf")]
     i, now = 0, times[0]
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         while True:
             while times[i] <= now:
                 scheduler.add_request(arrivals[i])
@@ -86,7 +86,7 @@ def simulate_fast(scheduler: Scheduler, requests: Sequence[Request], step_cost: 
 
 
 @contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused() -> Iterator[None]:
     """Pause Python's cycle collector for the run. A run builds millions of objects (block
     hashes, token lists) that live to its end and form no cycles: the collector would scan
     them again and again and free nothing, a third of the time with prefix caching on."""
@@ -117,7 +117,7 @@ class _Steady:
     gone: bool = False          # finished or preempted: no longer steady
 
 
-class _FastSimulator:
+class FastSimulator:
     """The steps of one run; ``running[:len(steady)]`` are the steady requests."""
 
     def __init__(self, scheduler: Scheduler, step_cost: StepCostModel) -> None:

@@ -1,0 +1,39 @@
+"""Chapter 5: autoscaling an inference fleet.
+
+- :mod:`~labkit.autoscale.policies`: policies on an injected clock: the tutorial's thresholds
+  (as written, and fixed), Kubernetes' HPA, Knative's KPA, KEDA's activation; the signals
+  they read.
+- :mod:`~labkit.autoscale.simulate`: chapter 3's simulated servers as a fleet with cold
+  starts, driven by bursty and diurnal traces; p99 TTFT, SLO attainment, replica-hours.
+- :mod:`~labkit.autoscale.controller`: the same loop for real, on one machine: it starts and
+  stops ``labkit serve`` processes behind :mod:`labkit.gateway`, scaling on their scraped
+  metrics and draining before it stops one (needs the ``serve`` extra).
+- :mod:`~labkit.autoscale.manifests`: the production path, an HPA and a KEDA ScaledObject on
+  ``vllm:num_requests_waiting``, generated and validated (needs the ``gateway`` extra).
+"""
+
+from labkit.autoscale.policies import (CONCURRENCY, DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP,
+                                       GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING, WAITING,
+                                       GPUMetric, HorizontalPodAutoscaler, HPADecision,
+                                       HPAScalingPolicy, HPAScalingRules, KedaAutoscaler,
+                                       KnativePodAutoscaler, KPADecision, Observation,
+                                       PodMetrics, Policy, ScaleEvent, ThresholdPolicy,
+                                       ThresholdRule, TutorialAutoScaler, demo_metric,
+                                       threshold_demo, tutorial_demo)
+from labkit.autoscale.simulate import (COLD_START_S, AutoscaleResult, FleetConfig,
+                                       PolicySummary, ReplicaRecord, Timeline, Trace,
+                                       bursty_trace, compare_policies, comparison_table,
+                                       diurnal_trace, simulate_autoscaling, step_trace,
+                                       trace_from_rate)
+
+__all__ = [
+    "COLD_START_S", "CONCURRENCY", "DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "GPU_UTILIZATION",
+    "KV_CACHE_USAGE", "RUNNING", "WAITING", "AutoscaleResult", "FleetConfig", "GPUMetric",
+    "HPADecision", "HPAScalingPolicy", "HPAScalingRules", "HorizontalPodAutoscaler",
+    "KPADecision", "KedaAutoscaler", "KnativePodAutoscaler", "Observation", "PodMetrics",
+    "Policy", "PolicySummary", "ReplicaRecord", "ScaleEvent", "ThresholdPolicy",
+    "ThresholdRule", "Timeline", "Trace", "TutorialAutoScaler", "bursty_trace",
+    "compare_policies", "comparison_table", "demo_metric", "diurnal_trace",
+    "simulate_autoscaling", "step_trace", "threshold_demo", "trace_from_rate",
+    "tutorial_demo",
+]

@@ -1,0 +1,19 @@
+"""An inference gateway: one address, several model servers, a router between (chapter 5).
+
+* :mod:`labkit.gateway.endpoints`: what the gateway knows of each backend (:class:`Endpoint`);
+* :mod:`labkit.gateway.routing`: the strategies, each a pipeline of filters, scorers and a
+  picker (:func:`make_router`);
+* :mod:`labkit.gateway.backends`: the pool that keeps the endpoints current (scrapes,
+  probes, ejection and re-admission);
+* :mod:`labkit.gateway.server`: the OpenAI-compatible streaming proxy (:class:`Gateway`),
+  served by ``labkit gateway --backend URL --backend URL``.
+"""
+
+from labkit.gateway.backends import BackendPool, parse_backend_metrics
+from labkit.gateway.endpoints import Endpoint, NoEndpointError, RoutingRequest, SaturatedError
+from labkit.gateway.routing import STRATEGIES, Router, make_router
+from labkit.gateway.server import Gateway, GatewayMetrics, routing_request
+
+__all__ = ["STRATEGIES", "BackendPool", "Endpoint", "Gateway", "GatewayMetrics",
+           "NoEndpointError", "Router", "RoutingRequest", "SaturatedError", "make_router",
+           "parse_backend_metrics", "routing_request"]
