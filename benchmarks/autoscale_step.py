@@ -57,12 +57,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.autoscale.controller import ProcessAutoscaler
-from labkit.autoscale.policies import (
-    WAITING,
-    HorizontalPodAutoscaler,
-    HPAScalingPolicy,
-    HPAScalingRules,
-)
+from labkit.autoscale.hpa import HPAScalingPolicy, HPAScalingRules, HorizontalPodAutoscaler
+from labkit.autoscale.observation import WAITING
 from labkit.engine import write_tiny_model
 from labkit.launch import ServeConfig, free_port
 

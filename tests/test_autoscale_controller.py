@@ -24,12 +24,8 @@ from labkit.autoscale.controller import (
     crash_backoff_s,
     exit_status,
 )
-from labkit.autoscale.policies import (
-    WAITING,
-    HorizontalPodAutoscaler,
-    HPAScalingPolicy,
-    HPAScalingRules,
-)
+from labkit.autoscale.hpa import HPAScalingPolicy, HPAScalingRules, HorizontalPodAutoscaler
+from labkit.autoscale.observation import WAITING
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
 from labkit.gateway import Gateway

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from labkit.checks import ParameterError
 from labkit.gateway.endpoints import Endpoint, NoEndpointError, RoutingRequest, SaturatedError
 from labkit.gateway.prefix_index import PrefixIndex
-from labkit.gateway.routing import (
-    STRATEGIES,
+from labkit.gateway.plugins import (
     HashRing,
     InFlightScorer,
     KVCacheScorer,
@@ -24,8 +23,8 @@ from labkit.gateway.routing import (
     QueueScorer,
     SaturationDetector,
     WeightScorer,
-    make_router,
 )
+from labkit.gateway.routing import STRATEGIES, make_router
 
 NOW = 1000.0  # the injected clock, seconds
 

@@ -1,8 +1,9 @@
 """Chapter 5: autoscaling an inference fleet.
 
-- :mod:`~labkit.autoscale.policies`: policies on an injected clock: the tutorial's thresholds
-  (as written, and fixed), Kubernetes' HPA, Knative's KPA, KEDA's activation; the signals
-  they read.
+- policies on an injected clock, one module each: :mod:`~labkit.autoscale.tutorial` (the
+  tutorial's thresholds, as written and fixed), :mod:`~labkit.autoscale.hpa` (Kubernetes'
+  HPA), :mod:`~labkit.autoscale.knative` (Knative's KPA), :mod:`~labkit.autoscale.keda`
+  (KEDA's activation); :mod:`~labkit.autoscale.observation`, what they all read.
 - :mod:`~labkit.autoscale.simulate`: chapter 3's simulated servers as a fleet with cold
   starts, driven by bursty and diurnal traces; p99 TTFT, SLO attainment, replica-hours.
 - :mod:`~labkit.autoscale.controller`: the same loop for real, on one machine: it starts and
@@ -12,14 +13,15 @@
   ``vllm:num_requests_waiting``, generated and validated (needs the ``gateway`` extra).
 """
 
-from labkit.autoscale.policies import (CONCURRENCY, DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP,
-                                       GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING, WAITING,
-                                       GPUMetric, HorizontalPodAutoscaler, HPADecision,
-                                       HPAScalingPolicy, HPAScalingRules, KedaAutoscaler,
-                                       KnativePodAutoscaler, KPADecision, Observation,
-                                       PodMetrics, Policy, ScaleEvent, ThresholdPolicy,
-                                       ThresholdRule, TutorialAutoScaler, demo_metric,
-                                       threshold_demo, tutorial_demo)
+from labkit.autoscale.hpa import (DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, HPADecision,
+                                  HPAScalingPolicy, HPAScalingRules, HorizontalPodAutoscaler)
+from labkit.autoscale.keda import KedaAutoscaler
+from labkit.autoscale.knative import KPADecision, KnativePodAutoscaler
+from labkit.autoscale.observation import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING,
+                                          WAITING, Observation, PodMetrics, Policy)
+from labkit.autoscale.tutorial import (GPUMetric, ScaleEvent, ThresholdPolicy, ThresholdRule,
+                                       TutorialAutoScaler, demo_metric, threshold_demo,
+                                       tutorial_demo)
 from labkit.autoscale.simulate import (COLD_START_S, AutoscaleResult, FleetConfig,
                                        PolicySummary, ReplicaRecord, Timeline, Trace,
                                        bursty_trace, compare_policies, comparison_table,

@@ -15,8 +15,8 @@ machine:
 
 Here: each sync the controller probes every ready replica's ``/health`` and scrapes its
 ``/metrics`` (vLLM's names, read with :func:`labkit.gateway.backends.parse_backend_metrics`),
-builds the :class:`~labkit.autoscale.policies.Observation` a policy of
-:mod:`labkit.autoscale.policies` expects, asks ``policy.decide(observation, now)`` for the
+builds the :class:`~labkit.autoscale.observation.Observation` every policy of
+:mod:`labkit.autoscale` expects, asks ``policy.decide(observation, now)`` for the
 desired replica count, and reconciles. Scale-up starts a process, waits for its ``/health``
 and ``POST /add_worker``\\s it to the gateway; scale-down ``POST /remove_worker``\\s it (the gateway
 drains it: no new requests, and it waits for the open ones), then SIGTERMs the process and
@@ -45,16 +45,9 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from labkit.autoscale.policies import (
-    CONCURRENCY,
-    KV_CACHE_USAGE,
-    RUNNING,
-    WAITING,
-    KnativePodAutoscaler,
-    Observation,
-    PodMetrics,
-    Policy,
-)
+from labkit.autoscale.knative import KnativePodAutoscaler
+from labkit.autoscale.observation import (CONCURRENCY, KV_CACHE_USAGE, RUNNING, WAITING,
+                                          Observation, PodMetrics, Policy)
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.gateway.backends import (
     DEFAULT_PROBE_TIMEOUT_S,
@@ -194,7 +187,7 @@ class ProcessAutoscaler:
 
     ``gateway_url`` is a running gateway with vllm-router's admin API (``labkit gateway``,
     or :class:`labkit.gateway.Gateway` served anywhere); ``api_key`` is its key, if it has
-    one. ``policy`` is a :class:`~labkit.autoscale.policies.Policy` (HPA, KPA, KEDA,
+    one. ``policy`` is a :class:`~labkit.autoscale.observation.Policy` (HPA, KPA, KEDA,
     threshold); the loop runs every ``policy.sync_period_s`` seconds. Each replica is
     ``labkit serve`` with ``serve``'s options (model directory, served name,
     ``max_num_seqs``, ...) on a port of its own.

@@ -14,9 +14,9 @@ dumped as YAML and validated offline:
   ``keda.sh/v1alpha1`` CRD of KEDA v2.20.2 (config/crd/bases/keda.sh_scaledobjects.yaml)
   and the prometheus trigger's metadata (pkg/scalers/prometheus_scaler.go).
 
-The ``*_for`` functions take the policy objects of :mod:`labkit.autoscale.policies`, so the
-policy that was simulated is the one deployed. Needs the ``gateway`` extra (kubernetes-
-validate, which brings PyYAML and jsonschema).
+The ``*_for`` functions take the policy objects of :mod:`labkit.autoscale.hpa` and
+:mod:`labkit.autoscale.keda`, so the policy that was simulated is the one deployed. Needs
+the ``gateway`` extra (kubernetes-validate, which brings PyYAML and jsonschema).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from labkit.autoscale.policies import (DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, HPA_TOLERANCE,
-                                       WAITING, HorizontalPodAutoscaler, HPAScalingRules,
-                                       KedaAutoscaler)
+from labkit.autoscale.hpa import (DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, HPA_TOLERANCE,
+                                  HPAScalingRules, HorizontalPodAutoscaler)
+from labkit.autoscale.keda import KedaAutoscaler
+from labkit.autoscale.observation import WAITING
 from labkit.checks import ParameterError, in_range, positive_int
 
 KUBERNETES_VERSION = "1.37"
@@ -105,7 +106,7 @@ def hpa_manifest(deployment: str, *, min_replicas: int = 1, max_replicas: int = 
                  namespace: str | None = None, name: str | None = None) -> dict:
     """An ``autoscaling/v2`` HPA (chapter 5) for ``deployment`` on the Pods metric ``metric``
     (average ``target_average_value`` per pod), with its ``behavior`` spelled out (the
-    defaults are Kubernetes' own: see :data:`~labkit.autoscale.policies.DEFAULT_SCALE_UP`)."""
+    defaults are Kubernetes' own: see :data:`~labkit.autoscale.hpa.DEFAULT_SCALE_UP`)."""
     _name("deployment", deployment)
     positive_int("min_replicas", min_replicas)
     positive_int("max_replicas", max_replicas, at_least=min_replicas)

@@ -38,8 +38,8 @@ from functools import cached_property
 
 import numpy as np
 
-from labkit.autoscale.policies import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING,
-                                       WAITING, Observation, PodMetrics, Policy)
+from labkit.autoscale.observation import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING,
+                                          WAITING, Observation, PodMetrics, Policy)
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.hardware import plan_kv_cache, vllm_batch_defaults
 from labkit.kvcache import KVCacheManager

@@ -1,8 +1,8 @@
 """Checks for the exercises of the chapter 5 autoscaling lab (``labs/05_autoscaling.ipynb``).
 
 Every expected value is computed by running labkit's own policies
-(:mod:`labkit.autoscale.policies`), not by a second copy of their formulas, so the checks
-agree with whatever the simulation and the lab show. The mistakes they name:
+(:mod:`labkit.autoscale.hpa`, :mod:`labkit.autoscale.knative`), not by a second copy of their
+formulas, so the checks agree with whatever the simulation and the lab show. The mistakes they name:
 
 - HPA (Kubernetes "Horizontal Pod Autoscaling", kubernetes.io, "Algorithm details":
   ``desiredReplicas = ceil[currentReplicas * currentMetricValue / desiredMetricValue]``, no

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from labkit.checks import ParameterError, positive_int
 from labkit.gateway.endpoints import Endpoint, RoutingRequest
 from labkit.gateway.prefix_index import PrefixIndex
-from labkit.gateway.routing import QueueScorer, WeightScorer, make_router
+from labkit.gateway.plugins import QueueScorer, WeightScorer
+from labkit.gateway.routing import make_router
 from labkit.grading import Feedback, check_number
 
 _NOW = 0.0  # the routers here read no clock-dependent state: any time will do

@@ -1,8 +1,10 @@
 """An inference gateway: one address, several model servers, a router between (chapter 5).
 
 * :mod:`labkit.gateway.endpoints`: what the gateway knows of each backend (:class:`Endpoint`);
-* :mod:`labkit.gateway.routing`: the strategies, each a pipeline of filters, scorers and a
-  picker (:func:`make_router`);
+* :mod:`labkit.gateway.plugins`: the filters, scorers and pickers routing is built from;
+* :mod:`labkit.gateway.routing`: the strategies, each a pipeline of those stages
+  (:func:`make_router`);
+* :mod:`labkit.gateway.prefix_index`: the gateway's approximate index of prompt prefixes;
 * :mod:`labkit.gateway.backends`: the pool that keeps the endpoints current (scrapes,
   probes, ejection and re-admission);
 * :mod:`labkit.gateway.server`: the OpenAI-compatible streaming proxy (:class:`Gateway`),
