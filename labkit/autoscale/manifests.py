@@ -151,7 +151,8 @@ def validate_hpa(manifest: Mapping, kubernetes_version: str = KUBERNETES_VERSION
     try:
         kubernetes_validate.validate(dict(manifest), kubernetes_version, strict=True)
     except jsonschema.ValidationError as err:
-        raise ParameterError(_field(err), f"{_field(err)}: {err.message}") from None
+        where = field_at_fault(err)
+        raise ParameterError(where, f"{where}: {err.message}") from None
     spec = manifest["spec"]
     # pkg/apis/autoscaling/validation: minReplicas >= 1 (0 only behind HPAScaleToZero),
     # maxReplicas >= minReplicas.
@@ -319,7 +320,8 @@ def validate_scaled_object(manifest: Mapping) -> None:
     error = jsonschema.exceptions.best_match(
         jsonschema.Draft202012Validator(SCALED_OBJECT_SCHEMA).iter_errors(manifest))
     if error is not None:
-        raise ParameterError(_field(error), f"{_field(error)}: {error.message}")
+        where = field_at_fault(error)
+        raise ParameterError(where, f"{where}: {error.message}")
     spec = manifest["spec"]
     low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
     if high < low:
@@ -327,7 +329,7 @@ def validate_scaled_object(manifest: Mapping) -> None:
                                                      f"minReplicaCount ({low}), got {high}")
 
 
-def _field(error: jsonschema.ValidationError) -> str:
+def field_at_fault(error: jsonschema.ValidationError) -> str:
     """The dotted path of the field at fault: for a missing or unexpected property, the
     property itself, not the object that holds it."""
     path = [str(p) for p in error.absolute_path]
