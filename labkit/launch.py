@@ -107,19 +107,47 @@ def sglang_command(cfg: ServeConfig) -> list[str]:
             *cfg.extra_args]
 
 
-def trtllm_command(cfg: ServeConfig, backend: str = "pytorch") -> list[str]:
+def trtllm_kv_fraction(gpu_memory_utilization: float, gpu_memory_bytes: float,
+                       weights_bytes: float, activation_bytes: float = 0.0) -> float:
+    """TensorRT-LLM's ``--kv_cache_free_gpu_memory_fraction`` that gives the KV cache the bytes
+    vLLM's ``--gpu-memory-utilization`` would (chapter 2.1).
+
+    vLLM caps the whole instance at ``u * total``: the KV cache gets ``u*T - W - A`` (weights,
+    activation peak). TensorRT-LLM measures what is free after loading the weights and a
+    profiling forward, ``T - W - A``, and gives the KV cache the fraction ``f`` of it. Equal
+    caches need ``f = (u*T - W - A) / (T - W - A)``: copying ``u`` into ``f`` gives more.
+    """
+    in_range("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
+    in_range("gpu_memory_bytes", gpu_memory_bytes, 0, low_open=True)
+    in_range("weights_bytes", weights_bytes, 0)
+    in_range("activation_bytes", activation_bytes, 0)
+    used = weights_bytes + activation_bytes
+    budget = gpu_memory_utilization * gpu_memory_bytes
+    if budget <= used:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} leaves no KV cache: "
+                         f"{budget / 2**30:.1f} GiB budget <= {used / 2**30:.1f} GiB of weights "
+                         "and activations")
+    return (budget - used) / (gpu_memory_bytes - used)
+
+
+def trtllm_command(cfg: ServeConfig, backend: str = "pytorch", *,
+                   kv_cache_free_gpu_memory_fraction: float | None = None) -> list[str]:
     """``trtllm-serve``: TensorRT-LLM's OpenAI-compatible server.
 
     ``backend="pytorch"`` serves a Hugging Face checkpoint with no build step;
     ``"tensorrt"`` serves an engine directory made by ``trtllm-build``. Its KV-cache knob is
-    the fraction of memory left *after* the weights, not of the whole GPU: the same number
-    means something different than in vLLM.
+    the fraction of memory left *after* the weights, not of the whole GPU, so it is not
+    ``cfg.gpu_memory_utilization``: pass the value :func:`trtllm_kv_fraction` derives, or
+    leave it out and TensorRT-LLM keeps its own default (0.9 of the free memory).
     """
     if backend not in ("pytorch", "tensorrt"):
         raise ValueError(f"backend must be 'pytorch' or 'tensorrt', got {backend!r}")
+    if kv_cache_free_gpu_memory_fraction is not None:
+        in_range("kv_cache_free_gpu_memory_fraction", kv_cache_free_gpu_memory_fraction, 0, 1,
+                 low_open=True)
     return ["trtllm-serve", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
             "--backend", backend, "--tp_size", str(cfg.tensor_parallel_size),
-            "--kv_cache_free_gpu_memory_fraction", str(cfg.gpu_memory_utilization),
+            *_optional("--kv_cache_free_gpu_memory_fraction", kv_cache_free_gpu_memory_fraction),
             *_optional("--max_seq_len", cfg.max_model_len),
             *_optional("--max_batch_size", cfg.max_num_seqs),
             *(["--trust_remote_code"] if cfg.trust_remote_code else []),

@@ -53,3 +53,22 @@ def test_markdown_table_has_a_row_per_gpu():
     lines = gpu_table_markdown().splitlines()
     assert len(lines) == 2 + len(list_gpus())
     assert any(line.startswith("| A100 80GB |") and "| — |" in line for line in lines)
+
+
+# GeForce datasheets headline the FP16 tensor rate with FP16 accumulation; chapter 1.1 states
+# that BF16 with FP32 accumulation, the mode inference uses, runs at half of it, and INT8 at
+# twice it. Headline dense rates (TFLOP/s) from NVIDIA's GA102 whitepaper v2, appendix A
+# (RTX 3090: 142) and the Ada architecture whitepaper, table 2 (RTX 4090: 330.3).
+GEFORCE_FP16_ACC16_TFLOPS = {"RTX 3090": 142.0, "RTX 4090": 330.3}
+
+
+@pytest.mark.parametrize("name", sorted(GEFORCE_FP16_ACC16_TFLOPS))
+def test_geforce_rates_follow_the_chapters_rule(name):
+    gpu, headline = get_gpu(name), GEFORCE_FP16_ACC16_TFLOPS[name]
+    assert gpu.bf16_tflops == pytest.approx(headline / 2, rel=0.005)
+    assert gpu.int8_tops == pytest.approx(headline * 2, rel=0.005)
+
+
+def test_every_geforce_row_is_checked_by_the_rule():
+    geforce = {g.name for g in list_gpus() if g.name.startswith("RTX")}
+    assert geforce == set(GEFORCE_FP16_ACC16_TFLOPS)

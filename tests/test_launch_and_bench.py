@@ -9,7 +9,7 @@ from labkit.engine import write_tiny_model
 from labkit.lab import ENGINE_PACKAGES, LabPath
 from labkit.launch import (COMMANDS, ServeConfig, ServerProcess, choose_engine, command_for,
                            labkit_command, sglang_command, trtllm_build_commands,
-                           trtllm_command, vllm_command)
+                           trtllm_command, trtllm_kv_fraction, vllm_command)
 
 CFG = ServeConfig(model="meta-llama/Meta-Llama-3-70B-Instruct", served_model_name="llama-70b",
                   tensor_parallel_size=4, gpu_memory_utilization=0.9, max_model_len=8192,
@@ -36,6 +36,10 @@ def test_sglang_and_trtllm_name_the_same_options_their_way():
             flag(sg, "--context-length")) == (CFG.model, "4", "0.9", "8192")
     trt = trtllm_command(CFG)
     assert trt[:2] == ["trtllm-serve", CFG.model] and flag(trt, "--tp_size") == "4"
+    # vLLM's fraction of the whole GPU is not TensorRT-LLM's fraction of what is free.
+    assert "--kv_cache_free_gpu_memory_fraction" not in trt
+    trt = trtllm_command(CFG, kv_cache_free_gpu_memory_fraction=0.87)
+    assert flag(trt, "--kv_cache_free_gpu_memory_fraction") == "0.87"
     convert, build = trtllm_build_commands(CFG, "ckpt", "engine")
     assert flag(convert, "--tp_size") == "4" and flag(build, "--max_seq_len") == "8192"
 
@@ -310,3 +314,17 @@ def test_a_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
     finally:
         server.stop()
     assert server.process.poll() is not None
+
+
+def test_trtllm_kv_fraction_matches_vllms_cache_by_hand():
+    # 80 GiB GPU, 16 GiB weights, 2 GiB activations, vLLM at 0.9: KV = 72 - 18 = 54 GiB.
+    # TensorRT-LLM sees 80 - 18 = 62 GiB free, so the matching fraction is 54 / 62.
+    gib = 2**30
+    assert trtllm_kv_fraction(0.9, 80 * gib, 16 * gib, 2 * gib) == pytest.approx(54 / 62)
+    assert trtllm_kv_fraction(1.0, 80 * gib, 16 * gib) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="leaves no KV cache"):
+        trtllm_kv_fraction(0.2, 80 * gib, 16 * gib)
+    with pytest.raises(ValueError, match="gpu_memory_bytes must be in"):
+        trtllm_kv_fraction(0.9, 0, 0)
+    with pytest.raises(ValueError, match="kv_cache_free_gpu_memory_fraction must be in"):
+        trtllm_command(CFG, kv_cache_free_gpu_memory_fraction=1.5)
