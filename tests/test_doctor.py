@@ -1,0 +1,56 @@
+"""``labkit doctor``: every lab is in its table, and its verdicts follow the machine."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import labkit.doctor as doctor
+from labkit.lab import LabPath
+
+LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
+NOTEBOOKS = sorted(str(p.relative_to(LABS_DIR).with_suffix(""))
+                   for p in LABS_DIR.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def test_every_lab_is_in_the_table():
+    assert sorted(doctor.LABS) == NOTEBOOKS
+
+
+@pytest.mark.parametrize("lab", NOTEBOOKS)
+def test_the_engine_in_the_table_is_the_one_the_lab_banners(lab):
+    text = (LABS_DIR / f"{lab}.ipynb").read_text()
+    engines = set(re.findall(r"banner\(\\?[\"']([a-z]+)\\?[\"']\)", text))
+    needs = doctor.LABS[lab]
+    assert engines == ({needs.engine} if needs.engine else set())
+
+
+def test_paths_follow_the_machine(monkeypatch):
+    teaching = LabPath(gpus=(), engines=())
+    cpu = LabPath(gpus=(), engines=(), vllm_cpu_python="/x/.venv-vllm/bin/python")
+    gpu = LabPath(gpus=("NVIDIA H100 80GB HBM3",), engines=("vllm",))
+    vllm_lab = doctor.LABS["02_openai_server"]
+    assert doctor.lab_runs(vllm_lab, teaching, set()).startswith("Teaching engine")
+    assert doctor.lab_runs(vllm_lab, cpu, set()).startswith("vLLM on CPU")
+    assert doctor.lab_runs(vllm_lab, gpu, set()).startswith("GPU path: vllm")
+    assert doctor.lab_runs(doctor.LABS["01_gpu_memory"], gpu, set()).startswith("CPU path")
+    awq = doctor.LABS["04_quantization_tools"]
+    assert "Without awq-env" in doctor.lab_runs(awq, cpu, set())
+    assert "Without" not in doctor.lab_runs(awq, cpu, {"awq-env"})
+    # A lab whose extra is missing cannot run, and the line says how to install it.
+    monkeypatch.setattr(doctor, "_module_present", lambda name: name != "vllm_router")
+    line = doctor.lab_runs(doctor.LABS["05_gateway"], cpu, set())
+    assert line == "cannot run: extras gateway missing (make lab)"
+
+
+def test_report_names_each_labs_path_and_fails_only_on_required_checks(monkeypatch, tmp_path):
+    report = doctor.run_checks(LabPath(gpus=(), engines=()), root=tmp_path)
+    text = report.text()
+    for lab in doctor.LABS:
+        assert re.search(rf"^  {re.escape(lab)} +\S", text, re.M)
+    assert report.ok and text.endswith("ready")             # no GPU is not a failure
+    assert "[warn] GPU: no CUDA GPU" in text and "fix: make awq-env" in text
+    monkeypatch.setattr(doctor, "MIN_DISK_GB", 1e12)
+    report = doctor.run_checks(LabPath(gpus=(), engines=()), root=tmp_path)
+    assert not report.ok and "[FAIL] disk" in report.text()
+    assert report.text().endswith("not ready: fix the FAIL lines above")
