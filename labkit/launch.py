@@ -47,6 +47,7 @@ class ServeConfig:
     dtype: str = "auto"
     max_num_seqs: int | None = None
     trust_remote_code: bool = False
+    shutdown_timeout: int | None = None  # s to drain running requests on SIGTERM (vLLM: 0)
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class ServeConfig:
         in_range("port", self.port, 1, 65535)
         if self.max_model_len is not None:
             positive_int("max_model_len", self.max_model_len)
+        if self.shutdown_timeout is not None:
+            positive_int("shutdown_timeout", self.shutdown_timeout, at_least=0)
 
     @property
     def base_url(self) -> str:
@@ -89,6 +92,7 @@ def vllm_command(cfg: ServeConfig) -> list[str]:
             *_optional("--max-model-len", cfg.max_model_len),
             *_optional("--quantization", cfg.quantization),
             *_optional("--max-num-seqs", cfg.max_num_seqs),
+            *_optional("--shutdown-timeout", cfg.shutdown_timeout),
             *(["--trust-remote-code"] if cfg.trust_remote_code else []),
             *cfg.extra_args]
 

@@ -23,7 +23,7 @@ from labkit.deploy.validate import (systemd_analyze, validate_helm_values,
 from labkit.engine import write_tiny_model
 from labkit.launch import ServeConfig, free_port, labkit_command, vllm_command
 
-SPEC = DeploymentSpec(model="meta-llama/Meta-Llama-3-70B-Instruct",
+SPEC = DeploymentSpec(model="hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",
                       served_model_name="llama-70b", tensor_parallel_size=4,
                       max_model_len=8192, quantization="awq", max_num_seqs=64)
 SPECS = [SPEC, DeploymentSpec(model="Qwen/Qwen2.5-7B-Instruct", name="qwen",
@@ -60,6 +60,19 @@ def test_a_bad_spec_is_rejected_naming_the_field(field, value):
     assert field in str(err.value)
 
 
+def test_the_drain_fits_inside_the_grace_period():
+    # vLLM's --shutdown-timeout defaults to 0: SIGTERM aborts running requests. The spec
+    # drains them, and the pod's grace period outlasts the drain.
+    spec = DeploymentSpec(model="m", name="m", shutdown_timeout_s=45, termination_grace_s=90)
+    assert vllm_serve_command(spec)[-2:] == ["--shutdown-timeout", "45"]
+    pod = next(m for m in kubernetes_manifests(spec) if m["kind"] == "Deployment")
+    assert pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
+    assert "STOP_GRACE_S=90" in deploy_script(spec)
+    with pytest.raises(ParameterError, match="shutdown_timeout_s must be below") as err:
+        DeploymentSpec(model="m", name="m", shutdown_timeout_s=60)
+    assert err.value.param == "shutdown_timeout_s"
+
+
 def test_a_served_name_that_is_no_dns_label_asks_for_a_name():
     with pytest.raises(ParameterError, match="set name=") as err:
         DeploymentSpec(model="Qwen/Qwen2.5-7B-Instruct")
@@ -76,7 +89,8 @@ def test_the_command_is_chapter_2s_launcher(spec):
         model=spec.model, served_model_name=spec.served_name, host=spec.host, port=spec.port,
         tensor_parallel_size=spec.tensor_parallel_size,
         gpu_memory_utilization=spec.gpu_memory_utilization, max_model_len=spec.max_model_len,
-        quantization=spec.quantization, dtype=spec.dtype, max_num_seqs=spec.max_num_seqs))
+        quantization=spec.quantization, dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+        shutdown_timeout=spec.shutdown_timeout_s))
     assert vllm_serve_command(spec) == expected
     assert "--trust-remote-code" not in expected and "--enforce-eager" not in expected
     # Every other target runs the same list, with only the listening address changed.
@@ -345,7 +359,7 @@ def test_the_script_reports_a_server_that_exits(tmp_path):
 
 def test_the_default_server_command_is_vllm_serve():
     script = deploy_script(SPEC)
-    assert "server_command=(vllm serve meta-llama/Meta-Llama-3-70B-Instruct --host 127.0.0.1" \
-        in script
+    assert ("server_command=(vllm serve hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4 "
+            "--host 127.0.0.1") in script
     assert "set -euo pipefail" in script and "trap stop_server EXIT" in script
     assert 'STARTUP_TIMEOUT_S="${STARTUP_TIMEOUT_S:-130}"' in script

@@ -36,7 +36,8 @@ def helm_values(spec: DeploymentSpec) -> dict:
     string there would put the key itself in the values file), and the three probes with the
     spec's startup budget."""
     repository, tag = spec.image.rsplit(":", 1)
-    extra_args = ["--served-model-name", spec.served_name]
+    extra_args = ["--served-model-name", spec.served_name,
+                  "--shutdown-timeout", str(spec.shutdown_timeout_s)]
     if spec.quantization is not None:
         extra_args += ["--quantization", spec.quantization]
     vllm_config = {"enablePrefixCaching": True, "dtype": spec.dtype,

@@ -42,7 +42,7 @@ def inference_service(spec: DeploymentSpec, max_replicas: int | None = None) -> 
         "spec": {"predictor": {
             "minReplicas": spec.replicas,
             "maxReplicas": spec.replicas if max_replicas is None else max_replicas,
-            "terminationGracePeriodSeconds": 60,
+            "terminationGracePeriodSeconds": spec.termination_grace_s,
             "containers": [vllm_container(spec, host="0.0.0.0", name=KSERVE_CONTAINER)],
             "volumes": pod_volumes(spec),
         }},

@@ -98,8 +98,9 @@ def pod_volumes(spec: DeploymentSpec) -> list[dict]:
 def deployment(spec: DeploymentSpec) -> dict:
     """An ``apps/v1`` Deployment of ``replicas`` pods, each listening on its pod IP.
 
-    ``terminationGracePeriodSeconds`` of 60 s leaves in-flight requests time to finish after
-    SIGTERM (Kubernetes' default is 30 s)."""
+    ``terminationGracePeriodSeconds`` (the spec's ``termination_grace_s``, Kubernetes'
+    default is 30 s) leaves vLLM time to drain its running requests for
+    ``shutdown_timeout_s`` after SIGTERM and exit before SIGKILL."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -110,7 +111,7 @@ def deployment(spec: DeploymentSpec) -> dict:
             "template": {
                 "metadata": {"labels": labels(spec)},
                 "spec": {
-                    "terminationGracePeriodSeconds": 60,
+                    "terminationGracePeriodSeconds": spec.termination_grace_s,
                     "containers": [vllm_container(spec, host=POD_IP)],
                     "volumes": pod_volumes(spec),
                 },

@@ -47,6 +47,9 @@ TUTORIAL_SCRIPT_PROBLEMS = {
                     "swap_space option is left",
     "--trust-remote-code": "runs Python code from the model repository; Llama needs none",
     "--enforce-eager": "turns CUDA graphs off, slowing every decode step; a debugging flag",
+    "python -m vllm.entrypoints.openai.api_server": "deprecated since vLLM 0.32.0, which "
+                                                    "warns when started this way: the entry "
+                                                    "point is `vllm serve`",
     "no --host": "vLLM binds (host or '', port), every interface, by default "
                  "(entrypoints/launchers/launcher.py); bind 127.0.0.1 behind a proxy",
     "no API key": "anyone who reaches the port can use the GPUs; VLLM_API_KEY from a secret",
@@ -60,7 +63,7 @@ TUTORIAL_SCRIPT_PROBLEMS = {
 }
 
 
-def deploy_script(spec: DeploymentSpec, stop_grace_s: int = 30) -> str:
+def deploy_script(spec: DeploymentSpec, stop_grace_s: int | None = None) -> str:
     """The tutorial's chapter 8 deploy script, fixed: a bash script that starts the server,
     waits for ``/health`` and stops it cleanly (chapter 8).
 
@@ -75,12 +78,14 @@ def deploy_script(spec: DeploymentSpec, stop_grace_s: int = 30) -> str:
       startup probe budget) and fails with the log's tail if the server exits or never gets
       healthy;
     - a trap on EXIT (reached on INT and TERM too) sends SIGTERM to the server's process group,
-      waits up to ``stop_grace_s`` seconds for the server to exit, then SIGKILLs whatever is
+      waits up to ``stop_grace_s`` seconds (default: the spec's ``termination_grace_s``, longer
+      than the ``--shutdown-timeout`` drain) for the server to exit, then SIGKILLs whatever is
       left of the group: no orphan when the script is stopped.
 
     Environment: ``LOG_FILE`` (default ``./<name>.log``), ``STARTUP_TIMEOUT_S``. Needs bash,
     ``curl``, ``ps`` and ``setsid`` (util-linux), all present on common Linux distributions.
     """
+    stop_grace_s = spec.termination_grace_s if stop_grace_s is None else stop_grace_s
     if not isinstance(stop_grace_s, int) or stop_grace_s < 1:
         raise ParameterError("stop_grace_s", f"stop_grace_s must be a positive integer, "
                                              f"got {stop_grace_s!r}")

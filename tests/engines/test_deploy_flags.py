@@ -16,7 +16,8 @@ from labkit.deploy.render import TUTORIAL_SERVER_ARGS, TUTORIAL_SCRIPT_PROBLEMS
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 SPECS = [
-    DeploymentSpec(model="meta-llama/Meta-Llama-3-70B-Instruct", served_model_name="llama-70b",
+    DeploymentSpec(model="hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",
+                   served_model_name="llama-70b",
                    tensor_parallel_size=4, max_model_len=8192, quantization="awq",
                    max_num_seqs=64),
     DeploymentSpec(model="Qwen/Qwen2.5-7B-Instruct", name="qwen", dtype="bfloat16", port=8080,
