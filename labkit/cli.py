@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from labkit.engine.device import DEVICE_ID_ENV
 from labkit.engine.llm_engine import EngineArgs
 
 
@@ -36,6 +37,14 @@ def serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--device-memory-gib", type=float, default=defaults.device_memory_gib,
                    help="memory of the simulated device the KV cache is sized against")
+    p.add_argument("--device-id", default=os.environ.get(DEVICE_ID_ENV),
+                   help="share a simulated device with the other servers that name it: each "
+                        "sees the others' memory as used (default: $LABKIT_DEVICE_ID; none: "
+                        "a device of its own)")
+    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
+                   default=defaults.enable_sleep_mode,
+                   help="allow POST /sleep and /wake_up (routes on with "
+                        "VLLM_SERVER_DEV_MODE=1, as in vLLM)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $VLLM_API_KEY, as vLLM)")
@@ -52,7 +61,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
                       max_model_len=ns.max_model_len,
                       enable_prefix_caching=ns.enable_prefix_caching,
                       enable_chunked_prefill=ns.enable_chunked_prefill, seed=ns.seed,
-                      device_memory_gib=ns.device_memory_gib)
+                      device_memory_gib=ns.device_memory_gib, device_id=ns.device_id,
+                      enable_sleep_mode=ns.enable_sleep_mode)
 
 
 def gateway_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("tiny-model", help="write a tiny random Llama model directory")
     tiny.add_argument("path")
     gateway_parser(sub)
+    sub.add_parser("doctor", help="check this machine for the labs; say which path each takes")
     ns = parser.parse_args(argv)
+    if ns.command == "doctor":
+        from labkit.doctor import main as doctor
+
+        return doctor()
     if ns.command == "tiny-model":
         from labkit.engine.tiny import write_tiny_model
 
@@ -116,12 +131,11 @@ def serve(ns: argparse.Namespace) -> int:
     """Start the engine, then the HTTP server; returns the process exit status."""
     import uvicorn
 
-    from labkit.engine.async_engine import AsyncLLMEngine
-    from labkit.engine.server import build_app
+    from labkit.engine.server import SleepModeEngine, build_app
 
     try:
-        engine = AsyncLLMEngine(engine_args(ns), ns.served_model_name or ns.model)
-    except ValueError as err:
+        engine = SleepModeEngine(engine_args(ns), ns.served_model_name or ns.model)
+    except (ValueError, RuntimeError) as err:  # RuntimeError: the device ran out at startup
         print(f"labkit serve: {err}", file=sys.stderr)
         return 2
     api_key = ns.api_key or os.environ.get("VLLM_API_KEY")

@@ -13,6 +13,12 @@ problem is a :class:`~labkit.checks.ParameterError` naming the field) and
 :meth:`LLMEngine.add_processed` queues the result (the engine's thread; cannot fail on
 input). ``n > 1`` choices share the prompt's KV blocks: the first choice prefills, the
 others fork from it (chapter 3.1) and sample their first token from the same logits.
+
+Sharing a device (chapter 6.2): with ``device_id`` the simulated device is a
+:class:`~labkit.engine.device.SimulatedDevice` that other processes share, and the engine
+starts only if ``gpu_memory_utilization`` of the whole device is free, as vLLM's does. With
+``enable_sleep_mode`` it can :meth:`LLMEngine.sleep` (hand its weights and KV cache back to
+the device) and :meth:`LLMEngine.wake_up`, as vLLM's sleep mode does.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +37,7 @@ import numpy as np
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.engine.constraints import RegexConstraint
 from labkit.engine.detokenizer import IncrementalDetokenizer
+from labkit.engine.device import SimulatedDevice
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
@@ -49,6 +57,7 @@ from labkit.hardware import (
     num_kv_blocks,
 )
 from labkit.kvcache import KVCacheManager
+from labkit.kvcache.block_pool import BlockPool
 from labkit.scheduling import Scheduler, SchedulerConfig
 from labkit.units import GiB
 
@@ -69,6 +78,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     device_memory_gib: float = 0.125
     seed: int = 0
+    device_id: str | None = None  # a device shared with other processes (chapter 6.2)
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         in_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
@@ -77,6 +88,11 @@ class EngineArgs:
             positive_int(name, getattr(self, name))
         if self.max_model_len is not None:
             positive_int("max_model_len", self.max_model_len)
+
+
+#: What sleep hands back to the device, by vLLM's allocator tags; ``activations`` (the memory
+#: that stays in use: CUDA graphs, the allocator's cache) is kept.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class LLMEngine:
@@ -90,10 +106,35 @@ class LLMEngine:
         self.args = args
         spec = ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
         self.max_model_len = _max_model_len(args.max_model_len, spec)
+        self.device: SimulatedDevice | None = None
+        if args.device_id is not None:
+            # vLLM checks free memory before it loads anything (Worker.init_device).
+            self.device = SimulatedDevice(args.device_id, int(args.device_memory_gib * GiB),
+                                          label=f"{model_dir.name} (pid {os.getpid()})")
+            try:
+                self.device.request_memory(args.gpu_memory_utilization)
+            except ValueError:
+                self.device.release()
+                raise
         # The cache is sized from the loaded weights' bytes, so it is allocated after loading.
         self.model = LlamaModel.load(model_dir, num_blocks=1, block_size=args.block_size)
         self.num_gpu_blocks = self._size_kv_cache(spec)
         self.model.allocate_kv_cache(self.num_gpu_blocks, args.block_size)
+        self._device_bytes = {
+            "weights": self.model.weight_bytes,
+            "activations": int(self._activation_bytes(spec)),
+            "kv_cache": self.num_gpu_blocks * self._block_bytes(spec)}
+        if self.device is not None:
+            try:
+                for tag, num_bytes in self._device_bytes.items():
+                    self.device.allocate(tag, num_bytes)
+            except RuntimeError:
+                # Another engine took memory between our check and now: vLLM's instances
+                # race the same way when they start at once (chapter 6.2).
+                self.device.release()
+                raise
+        self._paused = False
+        self._sleeping_tags: set[str] = set()
         self.tokenizer = Tokenizer(model_dir)
         self.vocab_size = self.model.spec.vocab_size
         self._token_texts: list[str] | None = None  # each token alone, for constraints
@@ -112,15 +153,21 @@ class LLMEngine:
         self.num_prompt_tokens = 0       # counters behind vLLM's Prometheus metrics
         self.num_generation_tokens = 0
 
+    def _activation_bytes(self, spec: ModelSpec) -> float:
+        return activation_bytes(spec, self.args.max_num_batched_tokens, self.args.max_num_seqs,
+                                act_dtype_bytes=4)
+
+    def _block_bytes(self, spec: ModelSpec) -> int:
+        return self.args.block_size * kv_cache_bytes_per_token(spec, "fp32")
+
     def _size_kv_cache(self, spec: ModelSpec) -> int:
-        """vLLM's rule (chapter 1.3): what is left of the budget, in whole blocks."""
+        """vLLM's rule (chapter 1.3): what is left of the budget, in whole blocks. The budget
+        is ``gpu_memory_utilization`` of the whole device, whoever else uses it."""
         args = self.args
         budget = args.device_memory_gib * GiB * args.gpu_memory_utilization
-        activations = activation_bytes(spec, args.max_num_batched_tokens, args.max_num_seqs,
-                                       act_dtype_bytes=4)
         num_blocks = num_kv_blocks(
-            budget, weights_bytes=self.model.weight_bytes, activations_bytes=activations,
-            block_bytes=args.block_size * kv_cache_bytes_per_token(spec, "fp32"))
+            budget, weights_bytes=self.model.weight_bytes,
+            activations_bytes=self._activation_bytes(spec), block_bytes=self._block_bytes(spec))
         check_sequence_fits(self.max_model_len, num_blocks, args.block_size,
                             f"max_model_len={self.max_model_len}",
                             f"{budget / GiB:.2f} GiB holds too little; raise device_memory_gib "
@@ -202,7 +249,119 @@ class LLMEngine:
                 self.scheduler.finish_request(choice, now)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a step would do work; never while asleep: requests that arrive then wait
+        in the queue until :meth:`wake_up`, as vLLM's paused scheduler keeps them."""
+        return not self.is_sleeping() and self.scheduler.has_unfinished_requests()
+
+    # -- sleep mode (chapter 6.2) -------------------------------------------------------
+
+    def is_sleeping(self) -> bool:
+        """Asleep at any level: scheduling paused, or memory handed back."""
+        return self._paused or bool(self._sleeping_tags)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[RequestOutput]:
+        """Put the engine to sleep, as vLLM 0.32's ``EngineCore.sleep`` with ``mode="abort"``
+        (vLLM's other modes, ``"wait"`` and ``"keep"``, are not implemented here).
+
+        Every unfinished request ends now with ``finish_reason="abort"`` (their outputs are
+        returned, for whoever streams them) and scheduling pauses; new requests queue until
+        :meth:`wake_up`. Level 0 stops there. Level 1 also discards the KV cache (the prefix
+        cache forgets everything) and gives the weights' device memory back, keeping the
+        weights in host memory (here: the NumPy arrays stay, only the device's ledger changes).
+        Level 2 discards the weights too; waking reloads them from the model directory, which
+        is what vLLM's ``reload_weights`` does (vLLM's own wake only re-allocates the memory).
+        Requires ``enable_sleep_mode`` (vLLM's ``--enable-sleep-mode``).
+        """
+        if not self.args.enable_sleep_mode:
+            raise ParameterError("enable_sleep_mode", "sleep mode is off: start the engine with "
+                                                      "enable_sleep_mode=True "
+                                                      "(--enable-sleep-mode)")
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ParameterError("level", f"level must be 0, 1 or 2, got {level!r}")
+        if mode != "abort":
+            raise ParameterError("mode", f"mode must be 'abort' (the only one the teaching "
+                                         f"engine has), got {mode!r}")
+        start = time.perf_counter()
+        outputs = self._abort_all()
+        self._paused = True
+        if level == 0 or self._sleeping_tags:
+            return outputs  # vLLM: "Executor is already sleeping." and nothing more
+        self._reset_prefix_cache()
+        self.model.allocate_kv_cache(0, self.args.block_size)  # the KV pools' memory goes
+        if level == 2:
+            self.model = None  # the weights go; wake_up reloads them
+        freed = sum(self.device.free(tag) for tag in SLEEP_TAGS) if self.device else 0
+        self._sleeping_tags = set(SLEEP_TAGS)
+        logger.info("It took %.6f seconds to fall asleep (level %d, %.2f GiB freed).",
+                    time.perf_counter() - start, level, freed / GiB)
+        return outputs
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Take back the memory of ``tags`` (all when ``None``), as vLLM's ``wake_up``.
+
+        Tags are vLLM's: ``"weights"``, ``"kv_cache"`` and ``"scheduling"`` (level 0). The
+        weights come back first, so their memory is taken before the cache's. Scheduling
+        resumes only once nothing is asleep; returns whether the engine is fully awake. When
+        the device has no room (another engine took the memory meanwhile) this raises
+        :class:`~labkit.engine.device.DeviceOutOfMemory` and what could not wake stays asleep.
+        """
+        if tags is not None:
+            tags = list(tags)
+            for tag in tags:
+                if tag not in (*SLEEP_TAGS, "scheduling"):
+                    raise ParameterError("tags", f"tags must be among weights, kv_cache and "
+                                                 f"scheduling, got {tag!r}")
+        start = time.perf_counter()
+        wanted = [t for t in SLEEP_TAGS if t in self._sleeping_tags
+                  and (tags is None or t in tags)]
+        for tag in wanted:
+            loaded = None
+            if tag == "weights" and self.model is None:  # level 2: read them from disk again
+                loaded = LlamaModel.load(self.args.model, num_blocks=0,
+                                         block_size=self.args.block_size)
+            if self.device is not None:
+                self.device.allocate(tag, self._device_bytes[tag])
+            if loaded is not None:
+                self.model = loaded
+            self._sleeping_tags.discard(tag)
+        if self.model is not None and "kv_cache" not in self._sleeping_tags:
+            if not self.model.kv or self.model.kv[0].k.shape[0] != self.num_gpu_blocks:
+                self.model.allocate_kv_cache(self.num_gpu_blocks, self.args.block_size)
+        if wanted:
+            logger.info("It took %.6f seconds to wake up tags %s.",
+                        time.perf_counter() - start, wanted)
+        if not self._sleeping_tags:
+            self._paused = False
+        return not self.is_sleeping()
+
+    def close(self) -> None:
+        """Give the simulated device's memory back (the process is done with the engine)."""
+        if self.device is not None:
+            self.device.release()
+
+    def _abort_all(self) -> list[RequestOutput]:
+        """End every unfinished request with ``finish_reason="abort"``; their outputs."""
+        now = time.monotonic()
+        outputs = []
+        for parent_id, choices in list(self.groups.items()):
+            self._pending_forks.pop(choices[0].request_id, None)
+            for choice in choices:
+                if choice.is_finished:
+                    continue
+                if choice in self.scheduler.running or choice in self.scheduler.waiting:
+                    self.scheduler.finish_request(choice, now)
+                else:  # a forked choice that has not started: it was never scheduled
+                    choice.finish_reason = "abort"
+                    choice.finish(now)
+                choice.detokenizer.finish()
+            outputs.append(self._output(parent_id))
+        return outputs
+
+    def _reset_prefix_cache(self) -> None:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache`` (no request holds one:
+        they were all aborted). The manager keeps its counters, which metrics read."""
+        kv = self.kv_cache
+        kv.block_pool = BlockPool(kv.num_blocks, enable_caching=kv.enable_prefix_caching)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -212,6 +371,8 @@ class LLMEngine:
         An exception from here means the engine itself is broken (a request's own problems
         end that request in ``check_stop``); the async engine then declares itself dead.
         """
+        if self.is_sleeping():
+            return []
         out = self.scheduler.schedule()
         if not out.requests:
             return []
@@ -381,6 +542,15 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``LLM.sleep``: hand the device memory back (needs ``enable_sleep_mode``);
+        see :meth:`LLMEngine.sleep` for the levels."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """vLLM's ``LLM.wake_up``: take the memory back; True once fully awake."""
+        return self.llm_engine.wake_up(tags)
+
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -398,6 +568,9 @@ class LLM:
 
     def _run(self, requests: list[list[EngineRequest]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        if engine.is_sleeping():
+            # vLLM would queue them and wait for a wake_up that nobody can send from here.
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         for choice in (c for choices in requests for c in choices):
             choice.params = replace(choice.params, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [engine.add_processed(choices) for choices in requests]

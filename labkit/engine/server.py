@@ -2,8 +2,10 @@
 
 The same routes as ``vllm serve``: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (streaming over server-sent events or not), ``/tokenize``,
-``/health`` and ``/metrics``. Every 4xx is an OpenAI error object (``{"error": {"message",
-"type", "param", "code"}}``), so the official ``openai`` client raises its usual exceptions.
+``/health`` and ``/metrics``; with ``VLLM_SERVER_DEV_MODE=1``, as in vLLM, also the sleep-mode
+routes ``POST /sleep?level=``, ``POST /wake_up`` and ``GET /is_sleeping`` (chapter 6.2).
+Every 4xx is an OpenAI error object (``{"error": {"message", "type", "param", "code"}}``), so
+the official ``openai`` client raises its usual exceptions.
 As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and
 ``/health`` answers 503 once the engine loop has died, so an orchestrator restarts the server.
 """
@@ -11,13 +13,15 @@ As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,12 +31,65 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from labkit.checks import ParameterError
 from labkit.engine import protocol
-from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError, _deliver
+from labkit.engine.device import DeviceOutOfMemory
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.protocol import ChatCompletionRequest, CompletionRequest
 from labkit.openai_http import APIKeyAuthentication, error_body, error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it is parsed
+#: vLLM registers its development routes (sleep mode among them) only when this is "1".
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+class SleepModeEngine(AsyncLLMEngine):
+    """An :class:`AsyncLLMEngine` that can sleep and wake, as vLLM's ``AsyncLLM`` does
+    (chapter 6.2), and that gives its simulated device back when it shuts down.
+
+    Sleep and wake run on the engine's own thread, between two steps, like any request:
+    the requests they abort end their streams with ``finish_reason="abort"``, and requests
+    that arrive while asleep wait in the queue until the engine wakes (vLLM 0.32's paused
+    scheduler keeps them the same way).
+    """
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self._on_engine_thread("sleep", level, mode)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        return await self._on_engine_thread("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        super().shutdown(timeout_s)
+        self.engine.close()
+
+    async def _on_engine_thread(self, method: str, *args):
+        self.check_health()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((method, (args, done)))
+        return await asyncio.wrap_future(done)
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind not in ("sleep", "wake_up"):
+            super()._handle(kind, payload)
+            return
+        args, done = payload
+        try:
+            result = getattr(self.engine, kind)(*args)
+        except Exception as err:  # noqa: BLE001 - the caller gets it, the engine carries on
+            done.set_exception(err)
+            return
+        if kind == "sleep":
+            for output in result:  # the aborted requests: their streams end here
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    _deliver(*stream, output)
+                self.metrics.forget(output.request_id)
+            self.metrics.record_step(self.engine, [])
+            result = None
+        done.set_result(result)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -71,8 +128,10 @@ class TokenizeRequest(BaseModel):
 
 
 def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI application serving ``engine``."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              dev_mode: bool | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine``. ``dev_mode`` (default: the environment's
+    ``VLLM_SERVER_DEV_MODE=1``) adds vLLM's sleep-mode routes when the engine can sleep."""
     app = FastAPI(title="labkit teaching engine", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
@@ -106,6 +165,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(DeviceOutOfMemory)
+    async def _no_room(_: Request, exc: DeviceOutOfMemory):
+        # Waking needs memory another engine may hold now: retry once it is free.
         return error_response(503, str(exc))
 
     @app.get("/health")
@@ -234,6 +298,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                 "usage": protocol.usage(final),
                 "prompt_logprobs": protocol.prompt_logprobs_json(final)}  # vLLM's, top level
 
+    if dev_mode is None:
+        dev_mode = os.environ.get(DEV_MODE_ENV) == "1"
+    if dev_mode and isinstance(engine, SleepModeEngine):
+        add_sleep_routes(app, engine)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """The prompt's token ids, as the engine would see them. vllm-router's
@@ -254,6 +323,26 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
                 "tokens": ids, "token_strs": strs}
 
     return app
+
+
+def add_sleep_routes(app: FastAPI, engine: SleepModeEngine) -> None:
+    """vLLM 0.32's development routes for sleep mode, same paths, parameters and answers
+    (``vllm/entrypoints/serve/dev/sleep/api_router.py``)."""
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1, ge=0, le=2), mode: str = "abort") -> dict:
+        await engine.sleep(level, mode)
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> dict:
+        tags = request.query_params.getlist("tags") or None  # none given: wake everything
+        fully_awake = await engine.wake_up(tags)
+        return {"status": "awake" if fully_awake else "sleeping", "tags": tags}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": engine.is_sleeping()}
 
 
 def _prompt_text(output: RequestOutput, tokenizer) -> str:
