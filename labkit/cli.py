@@ -131,10 +131,11 @@ def serve(ns: argparse.Namespace) -> int:
     """Start the engine, then the HTTP server; returns the process exit status."""
     import uvicorn
 
-    from labkit.engine.server import SleepModeEngine, build_app
+    from labkit.engine.async_engine import AsyncLLMEngine
+    from labkit.engine.server import build_app
 
     try:
-        engine = SleepModeEngine(engine_args(ns), ns.served_model_name or ns.model)
+        engine = AsyncLLMEngine(engine_args(ns), ns.served_model_name or ns.model)
     except (ValueError, RuntimeError) as err:  # RuntimeError: the device ran out at startup
         print(f"labkit serve: {err}", file=sys.stderr)
         return 2

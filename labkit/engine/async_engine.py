@@ -10,11 +10,17 @@ A coroutine that is cancelled (its client disconnected) aborts its request, whic
 KV blocks. If ``step()`` itself raises, the engine is broken, not the request: like vLLM's
 ``EngineDeadError``, every open stream ends with the error, ``errored`` turns true (the
 server's ``/health`` answers 503) and new requests are refused at once.
+
+Sleep and wake (chapter 6.2) run on the same thread, between two steps, like any request: the
+requests a sleep aborts end their streams with ``finish_reason="abort"``, and requests that
+arrive while asleep wait in the queue until the engine wakes (vLLM 0.32's paused scheduler
+keeps them the same way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -87,13 +93,32 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """:meth:`LLMEngine.sleep` on the engine's thread (vLLM's ``AsyncLLM.sleep``)."""
+        await self._on_engine_thread("sleep", level, mode)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """:meth:`LLMEngine.wake_up` on the engine's thread; True once fully awake."""
+        return await self._on_engine_thread("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Stop the loop after its current step. A step that outlasts ``timeout_s`` (a slow
-        constraint may take seconds) is left to finish in its daemon thread: a server on
-        SIGTERM must exit within 5 s, and a process exits without waiting for it."""
+        """Stop the loop after its current step and give the simulated device back. A step
+        that outlasts ``timeout_s`` (a slow constraint may take seconds) is left to finish in
+        its daemon thread: a server on SIGTERM must exit within 5 s, and a process exits
+        without waiting for it."""
         self._stop.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout=timeout_s)
+        self.engine.close()
+
+    async def _on_engine_thread(self, method: str, *args):
+        self.check_health()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((method, (args, done)))
+        return await asyncio.wrap_future(done)
 
     def _run(self) -> None:
         try:
@@ -136,6 +161,22 @@ class AsyncLLMEngine:
             self.engine.abort_request(payload)
             self.metrics.forget(payload)
             self.metrics.record_step(self.engine, [])
+        elif kind in ("sleep", "wake_up"):
+            args, done = payload
+            try:
+                result = getattr(self.engine, kind)(*args)
+            except Exception as err:  # noqa: BLE001 - the caller gets it, the engine carries on
+                done.set_exception(err)
+                return
+            if kind == "sleep":
+                for output in result:  # the aborted requests: their streams end here
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        _deliver(*stream, output)
+                    self.metrics.forget(output.request_id)
+                self.metrics.record_step(self.engine, [])
+                result = None
+            done.set_result(result)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, item) -> None:

@@ -13,12 +13,11 @@ As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import jinja2
 from fastapi import FastAPI, Query, Request
@@ -31,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from labkit.checks import ParameterError
 from labkit.engine import protocol
-from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError, _deliver
+from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from labkit.engine.device import DeviceOutOfMemory
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,55 +40,6 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it i
 #: vLLM registers its development routes (sleep mode among them) only when this is "1".
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
-
-class SleepModeEngine(AsyncLLMEngine):
-    """An :class:`AsyncLLMEngine` that can sleep and wake, as vLLM's ``AsyncLLM`` does
-    (chapter 6.2), and that gives its simulated device back when it shuts down.
-
-    Sleep and wake run on the engine's own thread, between two steps, like any request:
-    the requests they abort end their streams with ``finish_reason="abort"``, and requests
-    that arrive while asleep wait in the queue until the engine wakes (vLLM 0.32's paused
-    scheduler keeps them the same way).
-    """
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        await self._on_engine_thread("sleep", level, mode)
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        return await self._on_engine_thread("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping()
-
-    def shutdown(self, timeout_s: float = 2.0) -> None:
-        super().shutdown(timeout_s)
-        self.engine.close()
-
-    async def _on_engine_thread(self, method: str, *args):
-        self.check_health()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((method, (args, done)))
-        return await asyncio.wrap_future(done)
-
-    def _handle(self, kind: str, payload) -> None:
-        if kind not in ("sleep", "wake_up"):
-            super()._handle(kind, payload)
-            return
-        args, done = payload
-        try:
-            result = getattr(self.engine, kind)(*args)
-        except Exception as err:  # noqa: BLE001 - the caller gets it, the engine carries on
-            done.set_exception(err)
-            return
-        if kind == "sleep":
-            for output in result:  # the aborted requests: their streams end here
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    _deliver(*stream, output)
-                self.metrics.forget(output.request_id)
-            self.metrics.record_step(self.engine, [])
-            result = None
-        done.set_result(result)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -131,7 +81,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               dev_mode: bool | None = None) -> FastAPI:
     """The FastAPI application serving ``engine``. ``dev_mode`` (default: the environment's
-    ``VLLM_SERVER_DEV_MODE=1``) adds vLLM's sleep-mode routes when the engine can sleep."""
+    ``VLLM_SERVER_DEV_MODE=1``) adds vLLM's sleep-mode routes."""
     app = FastAPI(title="labkit teaching engine", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
@@ -300,7 +250,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
 
     if dev_mode is None:
         dev_mode = os.environ.get(DEV_MODE_ENV) == "1"
-    if dev_mode and isinstance(engine, SleepModeEngine):
+    if dev_mode:  # an engine without --enable-sleep-mode answers them with a 400
         add_sleep_routes(app, engine)
 
     @app.post("/tokenize")
@@ -325,7 +275,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     return app
 
 
-def add_sleep_routes(app: FastAPI, engine: SleepModeEngine) -> None:
+def add_sleep_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """vLLM 0.32's development routes for sleep mode, same paths, parameters and answers
     (``vllm/entrypoints/serve/dev/sleep/api_router.py``)."""
 
