@@ -141,3 +141,21 @@ def test_chapter_4_comparison_table_is_computed(built):
     page = (built / "chapters" / "ch04_quantization.html").read_text()
     assert "Not written yet." not in page and "{glue" not in page
     assert "AWQ W4A16" in page and "tok/s" in page and page.count("<table") >= 2
+
+
+@pytest.mark.parametrize("chapter, figures", [("ch01_gpu_selection", 3), ("ch02_engines", 1),
+                                              ("ch03_paged_attention_batching_parallelism", 7),
+                                              ("ch05_gateway_autoscaling", 3)])
+def test_figures_are_numbered_captioned_and_referenced(built, chapter, figures):
+    page = (built / "chapters" / f"{chapter}.html").read_text()
+    assert page.count('<span class="caption-number">') == figures
+    assert "{numref" not in page
+
+
+def test_figure_references_resolve_across_chapters(built):
+    ch03 = (built / "chapters" / "ch03_paged_attention_batching_parallelism.html").read_text()
+    for name in ("fig-block-table", "fig-ring-all-reduce", "fig-batching-timeline"):
+        assert f'id="{name}"' in ch03
+    assert "ch01_gpu_selection.html#fig-roofline" in ch03
+    ch05 = (built / "chapters" / "ch05_gateway_autoscaling.html").read_text()
+    assert 'id="fig-endpoint-picker"' in ch05 and 'id="fig-hpa-loop"' in ch05
