@@ -684,22 +684,13 @@ def lora_gpu_buffer_bytes(model: ModelSpec | str, max_loras: int, max_lora_rank:
 
 # -- the tutorial's example -------------------------------------------------------------------
 
-#: Code Llama 34B's published ``config.json`` (huggingface.co/codellama/
-#: CodeLlama-34b-Instruct-hf/blob/main/config.json, the fields labkit reads): the tutorial's
-#: "coder" model.
-CODELLAMA_34B_CONFIG = {
-    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 22016,
-    "num_attention_heads": 64, "num_hidden_layers": 48, "num_key_value_heads": 8,
-    "vocab_size": 32000, "max_position_embeddings": 16384, "tie_word_embeddings": False}
-
 
 def tutorial_models(concurrency: Mapping[str, int] | None = None) -> list[SharedModel]:
     """The tutorial's two models as it deploys them (section 6.2): Code Llama 34B and
     Llama 3 8B, AWQ INT4, ``max_model_len=4096``, ``enforce_eager=True``; ``concurrency``
     sets the target load of each (``{"coder": 8, "chat": 16}``), one sequence by default."""
     concurrency = dict(concurrency or {})
-    coder = ModelSpec.from_hf_config(CODELLAMA_34B_CONFIG, name="CodeLlama-34B")
-    return [SharedModel("coder", coder, weight_dtype="int4-awq", max_model_len=4096,
+    return [SharedModel("coder", "CodeLlama-34B", weight_dtype="int4-awq", max_model_len=4096,
                         enforce_eager=True, concurrency=concurrency.pop("coder", 1)),
             SharedModel("chat", "Llama-3-8B", weight_dtype="int4-awq", max_model_len=4096,
                         enforce_eager=True, concurrency=concurrency.pop("chat", 1))]
