@@ -13,7 +13,6 @@ import importlib.util
 import shutil
 import socket
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +47,11 @@ LABS: dict[str, LabNeeds] = {
                                       optional_tools=("awq-env",)),
     "05_gateway": LabNeeds(modules=GATEWAY),
     "05_autoscaling": LabNeeds(modules=GATEWAY),
+    "06_cost": LabNeeds(),
+    "06_gpu_sharing": LabNeeds(modules=SERVE),
+    "07_tco": LabNeeds(),
     "08_deploy": LabNeeds("vllm", GATEWAY),
+    "08_monitoring": LabNeeds(modules=GATEWAY, optional_tools=("prometheus",)),
     "gpu/vllm_deploy_benchmark": LabNeeds("vllm", SERVE),
     "gpu/sglang": LabNeeds("sglang", SERVE),
     "gpu/tensorrt_llm": LabNeeds("trtllm", SERVE),
@@ -199,12 +202,12 @@ def run_checks(path: LabPath | None = None, root: Path | None = None) -> Report:
     return Report(checks, path, labs)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the report; exit status 1 when a required check failed."""
+def main() -> int:
+    """``labkit doctor``: print the report; exit status 1 when a required check failed."""
     report = run_checks()
     print(report.text())
     return 0 if report.ok else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

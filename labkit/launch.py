@@ -552,9 +552,9 @@ def kv_cache_reported(engine: str, cfg: ServeConfig, server: ServerProcess) -> K
 def kv_cache_predicted(engine: str, cfg: ServeConfig,
                        path: LabPath | None = None) -> KVCacheReport:
     """Chapter 1's prediction of the KV cache ``cfg`` gets here: on vLLM's CPU build
-    ``VLLM_CPU_KVCACHE_SPACE`` GiB over the bytes per token; on a GPU :func:`plan_kv_cache`
-    for the first GPU; for the teaching engine, its simulated device's budget less weights
-    and activations, in whole blocks."""
+    ``VLLM_CPU_KVCACHE_SPACE`` GiB over the bytes per token; on a GPU
+    :func:`~labkit.hardware.plan_kv_cache` for the first GPU; for the teaching engine, its simulated
+    device's budget less weights and activations, in whole blocks."""
     from labkit.hardware import (activation_bytes, kv_cache_bytes_per_token, num_kv_blocks,
                                  plan_kv_cache, weight_bytes)
 

@@ -10,7 +10,7 @@ wheels it pulls, which do not match that torch). Three facts shape how labkit ru
 - an idle server busy-polls about half a core: stop it before timing anything else.
 
 The server is driven over HTTP like any other; the offline ``LLM`` runs in a worker process
-(:mod:`labkit.vllm_worker`) behind :class:`RemoteLLM`, which has the teaching engine's
+(``labkit.vllm_worker``) behind :class:`RemoteLLM`, which has the teaching engine's
 ``generate`` and returns the same output records.
 """
 
@@ -63,7 +63,7 @@ class RemoteLLM:
     ``RemoteLLM(python, model=..., **engine_args)`` starts the worker and builds vLLM's
     engine there (the arguments are vLLM's own); ``generate`` takes the teaching engine's
     :class:`~labkit.engine.SamplingParams` (the fields both engines share) and returns
-    :class:`~labkit.engine.RequestOutput` records. vLLM's log is in :attr:`log_path`.
+    :class:`~labkit.engine.RequestOutput` records. vLLM's log is in ``log_path``.
     """
 
     def __init__(self, python: str, model: str, kv_cache_space_gib: float = KV_CACHE_SPACE_GIB,

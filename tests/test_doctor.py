@@ -54,3 +54,12 @@ def test_report_names_each_labs_path_and_fails_only_on_required_checks(monkeypat
     report = doctor.run_checks(LabPath(gpus=(), engines=()), root=tmp_path)
     assert not report.ok and "[FAIL] disk" in report.text()
     assert report.text().endswith("not ready: fix the FAIL lines above")
+
+
+def test_labkit_doctor_command_prints_every_lab(capsys):
+    from labkit.cli import main
+
+    status = main(["doctor"])
+    out = capsys.readouterr().out
+    assert status in (0, 1) and "What each lab runs here:" in out
+    assert all(lab in out for lab in doctor.LABS)

@@ -25,6 +25,34 @@ def test_free_queue_pops_head_appends_tail_removes_middle():
         queue.remove(blocks[0])
 
 
+def test_free_queue_takes_and_returns_runs_of_blocks_in_order():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeBlockQueue(blocks)
+    assert queue.popleft_n(0) == [] and queue.num_free_blocks == 6
+    assert queue.popleft_n(2) == blocks[:2]
+    assert [b.block_id for b in queue] == [2, 3, 4, 5] and queue.num_free_blocks == 4
+    assert blocks[0].prev_free is None and blocks[1].next_free is None  # unlinked
+    queue.append_n([blocks[1], blocks[0]])
+    assert [b.block_id for b in queue] == [2, 3, 4, 5, 1, 0] and queue.num_free_blocks == 6
+    with pytest.raises(ValueError, match="asked for 7 blocks, only 6 free"):
+        queue.popleft_n(7)
+    assert queue.popleft_n(6) == blocks[2:] + [blocks[1], blocks[0]]
+    assert list(queue) == [] and queue.num_free_blocks == 0
+    queue.append_n([blocks[3]])                  # an emptied queue takes blocks again
+    queue.remove(blocks[3])
+    assert list(queue) == [] and queue.num_free_blocks == 0
+
+
+def test_freeing_a_block_too_often_still_queues_the_blocks_freed_before_it():
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_blocks([a])
+    with pytest.raises(ValueError, match=f"block {a.block_id} freed more often"):
+        pool.free_blocks([c, a, b])
+    assert [blk.block_id for blk in pool.free_queue] == [3, a.block_id, c.block_id]
+    assert pool.num_free_blocks == 3 and b.ref_cnt == 1
+
+
 def test_chained_hash_depends_on_the_whole_prefix():
     a = hash_request_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
     b = hash_request_blocks([9, 9, 9, 9, 5, 6, 7, 8], 4)

@@ -1,10 +1,10 @@
 """Random long sequences of allocate/append/fork/free/evict never corrupt the cache."""
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from labkit.kvcache import KVCacheManager, hash_request_blocks
+from labkit.kvcache import BlockPool, KVCacheManager, hash_request_blocks
 from labkit.units import cdiv
 
 BLOCK = 4
@@ -108,6 +108,39 @@ class CollidingKVCacheMachine(KVCacheMachine):
     everywhere, which must only ever cost hits, never serve a wrong prefix."""
 
     hash_fn = staticmethod(lambda key: hash(key[1]) % 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=24),
+                          st.integers(0, 6), st.integers(0, 6), st.booleans()),
+                min_size=1, max_size=12),
+       st.sampled_from([hash, lambda key: hash(key[1]) % 4]))
+def test_caching_a_run_of_blocks_is_caching_them_one_by_one(sequences, hash_fn):
+    """``cache_full_blocks`` against ``cache_block`` in a loop, on two pools taken through
+    the same sequences (some freed at once, so later ones evict): the same cache entries,
+    block by block, with colliding hashes too."""
+    bulk, single = BlockPool(16), BlockPool(16)
+    for tokens, first, length, free in sequences:
+        hashes = hash_request_blocks(tokens, 2, hash_fn)
+        first = min(first, len(hashes))
+        stop = min(first + length, len(hashes))
+        taken = []
+        for pool in (bulk, single):
+            if len(hashes) > pool.num_free_blocks:
+                break
+            taken.append(pool.get_new_blocks(len(hashes)))
+        if len(taken) < 2:
+            continue
+        bulk.cache_full_blocks(taken[0], hashes, first, stop)
+        for i in range(first, stop):
+            single.cache_block(taken[1][i], hashes[i], taken[1][i - 1] if i else None)
+        if free:
+            bulk.free_blocks(reversed(taken[0]))
+            single.free_blocks(reversed(taken[1]))
+        assert ({v: b.block_id for v, b in bulk.cached.items()}
+                == {v: b.block_id for v, b in single.cached.items()})
+        assert ([(b.block_hash, b.parent_content_id, b.ref_cnt) for b in bulk.blocks]
+                == [(b.block_hash, b.parent_content_id, b.ref_cnt) for b in single.blocks])
 
 
 for machine in (KVCacheMachine, CollidingKVCacheMachine):

@@ -1,5 +1,7 @@
 """The fast simulator against the step-by-step one: the same run, to the last bit."""
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -97,10 +99,9 @@ def kv_state(kv: KVCacheManager):
             pool.num_evictions, kv.prefix_cache_queries, kv.prefix_cache_hits, kv.req_to_blocks)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(runs())
-@example(SAME_STEP_FILL_AND_EVICT)
-def test_fast_path_is_the_step_by_step_path(spec):
+def assert_same_run(spec):
+    """Both paths on ``spec``: the same requests, steps, finishing order and KV cache; returns
+    the fast run's scheduler."""
     fast, fast_scheduler = run(spec, fast=True)
     slow, slow_scheduler = run(spec, fast=False)
     assert per_request(fast) == per_request(slow)
@@ -109,6 +110,77 @@ def test_fast_path_is_the_step_by_step_path(spec):
             == [r.request_id for r in slow_scheduler.finished])
     assert fast_scheduler.num_preemptions == slow_scheduler.num_preemptions
     assert kv_state(fast_scheduler.kv_cache) == kv_state(slow_scheduler.kv_cache)
+    return fast_scheduler
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(runs())
+@example(SAME_STEP_FILL_AND_EVICT)
+def test_fast_path_is_the_step_by_step_path(spec):
+    assert_same_run(spec)
+
+
+@st.composite
+def cached_runs_under_pressure(draw):
+    """Prefix caching on and a cache too small for the load: hits, evictions and preemption.
+
+    Half the requests draw tokens from a wide vocabulary, so none of their blocks is shared
+    (the fast path offers such blocks to the cache late, when the request frees them); the
+    others draw from two letters after a shared start, and some come again later, often
+    while the first is still decoding (a shared hash value arrives: the fast path must then
+    catch up with the blocks it has not offered yet).
+    """
+    block_size = draw(st.integers(2, 4))
+    shared = draw(st.lists(st.integers(0, 1), min_size=block_size, max_size=12))
+    scale = draw(st.sampled_from([1.0, 0.25, 0.01]))
+    specs = []
+    for _ in range(draw(st.integers(4, 16))):
+        if draw(st.booleans()):
+            letters = st.integers(0, 1)
+            prompt = shared + draw(st.lists(letters, min_size=1, max_size=12))
+        else:
+            letters = st.integers(0, 10**6)
+            prompt = draw(st.lists(letters, min_size=1, max_size=30))
+        output = draw(st.lists(letters, min_size=1, max_size=20))
+        arrival = draw(st.integers(0, 20)) * scale
+        specs.append((prompt, output, arrival))
+        if draw(st.integers(0, 2)) == 0:
+            specs.append((prompt, output, arrival + draw(st.integers(1, 12)) * scale))
+    longest = max(len(p) + len(o) - 1 for p, o, _ in specs)
+    num_blocks = cdiv(longest, block_size) + draw(st.integers(0, cdiv(longest, block_size)))
+    config = SchedulerConfig(draw(st.integers(2, 8)), draw(st.integers(longest, longest + 40)),
+                             draw(st.booleans()))
+    return (specs, num_blocks, block_size, True, config,
+            draw(st.sampled_from(["one second", "linear"])))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cached_runs_under_pressure())
+def test_fast_path_with_prefix_caching_under_memory_pressure(spec):
+    assert_same_run(spec)
+
+
+def test_a_run_with_hits_evictions_and_preemptions_is_the_same_by_both_paths():
+    """One seeded run that is sure to have all three, so the equivalence above never rests on
+    the luck of the draw: 40 requests behind a shared start or with tokens of their own, a
+    third of them sent twice, into a cache of 40 blocks."""
+    rng = random.Random(3)
+    system = [rng.randrange(4) for _ in range(12)]
+    specs = []
+    for _ in range(40):
+        vocab = 4 if rng.random() < 0.5 else 10**6
+        start = system if vocab == 4 else []
+        prompt = start + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        arrival = rng.randrange(60) * 0.25
+        specs.append((prompt, output, arrival))
+        if rng.random() < 1 / 3:
+            specs.append((prompt, output, arrival + rng.randint(1, 8) * 0.25))
+    scheduler = assert_same_run(
+        (specs, 40, 4, True, SchedulerConfig(8, 256, True), "one second"))
+    kv = scheduler.kv_cache
+    assert kv.prefix_cache_hits > 0 and kv.block_pool.num_evictions > 0
+    assert scheduler.num_preemptions > 0
 
 
 @settings(max_examples=300, deadline=None)

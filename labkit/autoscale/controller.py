@@ -203,7 +203,7 @@ class ProcessAutoscaler:
       is how long a replica may take to get healthy; ``probe_timeout_s`` bounds each
       ``/health`` probe and ``/metrics`` read (default 5 s, vllm-router's health-check
       timeout);
-    - ``metric`` names what :attr:`history` records (default: the policy's own metric);
+    - ``metric`` names what ``history`` records (default: the policy's own metric);
     - ``clock`` (seconds, default ``time.monotonic``) stamps events and backoffs; decisions
       take ``now`` from :meth:`step`, which defaults to ``clock()``.
 

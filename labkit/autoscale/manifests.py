@@ -106,7 +106,7 @@ def hpa_manifest(deployment: str, *, min_replicas: int = 1, max_replicas: int = 
                  namespace: str | None = None, name: str | None = None) -> dict:
     """An ``autoscaling/v2`` HPA (chapter 5) for ``deployment`` on the Pods metric ``metric``
     (average ``target_average_value`` per pod), with its ``behavior`` spelled out (the
-    defaults are Kubernetes' own: see :data:`~labkit.autoscale.hpa.DEFAULT_SCALE_UP`)."""
+    defaults are Kubernetes' own: see ``labkit.autoscale.hpa.DEFAULT_SCALE_UP``)."""
     _name("deployment", deployment)
     positive_int("min_replicas", min_replicas)
     positive_int("max_replicas", max_replicas, at_least=min_replicas)
@@ -133,8 +133,8 @@ def hpa_manifest(deployment: str, *, min_replicas: int = 1, max_replicas: int = 
 
 def hpa_manifest_for(hpa: HorizontalPodAutoscaler, deployment: str, *,
                      namespace: str | None = None) -> dict:
-    """The manifest of a simulated :class:`HorizontalPodAutoscaler` (a Pods metric, served
-    by the adapter under :func:`adapter_metric_name`)."""
+    """The manifest of a simulated :class:`~labkit.autoscale.HorizontalPodAutoscaler` (a Pods
+    metric, served by the adapter under :func:`adapter_metric_name`)."""
     if hpa.metric_type != "Pods":
         raise ParameterError("hpa", "hpa_manifest_for takes a Pods-metric HPA; an External "
                                     "one is what KEDA creates (scaled_object_manifest_for)")
@@ -146,8 +146,8 @@ def hpa_manifest_for(hpa: HorizontalPodAutoscaler, deployment: str, *,
 
 def validate_hpa(manifest: Mapping, kubernetes_version: str = KUBERNETES_VERSION) -> None:
     """Check ``manifest`` against the Kubernetes schema (strict: no unknown field) and the
-    semantic rules the schema cannot express; raise :class:`ParameterError` naming the field
-    (``spec.maxReplicas``)."""
+    semantic rules the schema cannot express; raise :class:`~labkit.checks.ParameterError` naming
+    the field (``spec.maxReplicas``)."""
     try:
         kubernetes_validate.validate(dict(manifest), kubernetes_version, strict=True)
     except jsonschema.ValidationError as err:
@@ -211,7 +211,7 @@ def scaled_object_manifest(deployment: str, *, server_address: str, threshold: f
 
 def scaled_object_manifest_for(keda: KedaAutoscaler, deployment: str, *, server_address: str,
                                namespace: str | None = None) -> dict:
-    """The manifest of a simulated :class:`KedaAutoscaler`."""
+    """The manifest of a simulated :class:`~labkit.autoscale.KedaAutoscaler`."""
     for param, value in (("polling_interval_s", keda.polling_interval_s),
                          ("cooldown_period_s", keda.cooldown_period_s)):
         if value != int(value):
@@ -316,7 +316,7 @@ SCALED_OBJECT_SCHEMA = {
 def validate_scaled_object(manifest: Mapping) -> None:
     """Check a ScaledObject against KEDA v2.20.2's CRD fields and the prometheus trigger's
     metadata, and ``maxReplicaCount >= minReplicaCount`` (KEDA's admission webhook); raise
-    :class:`ParameterError` naming the field (``spec.pollingInterval``)."""
+    :class:`~labkit.checks.ParameterError` naming the field (``spec.pollingInterval``)."""
     error = jsonschema.exceptions.best_match(
         jsonschema.Draft202012Validator(SCALED_OBJECT_SCHEMA).iter_errors(manifest))
     if error is not None:

@@ -9,8 +9,8 @@ over a :class:`~labkit.kvcache.KVCacheManager` sized by
 - a gateway routes each request, as it arrives, to the least-loaded ready replica (fewest
   requests in flight; or round robin); with no replica ready it holds the request until one
   is, and the wait counts in the request's TTFT;
-- every ``policy.sync_period_s`` the policy sees the fleet (:class:`Observation`: per
-  replica ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+- every ``policy.sync_period_s`` the policy sees the fleet (:class:`~labkit.autoscale.Observation`:
+  per replica ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
   ``vllm:kv_cache_usage_perc``, GPU utilization as DCGM measures it, average concurrency)
   and says how many replicas there should be;
 - a new replica becomes ready ``cold_start_s`` after it is asked for (it is billed from

@@ -243,8 +243,8 @@ def autoscaled_fleet_cost(capacity: SLOCapacity, trace: Trace, price: GPUPrice |
                           policy: Policy | None = None, cold_start_s: float = COLD_START_S,
                           initial_replicas: int = 1) -> AutoscaledCost:
     """Serve ``trace`` with replicas of ``capacity.deployment`` that ``policy`` (default:
-    :func:`default_policy`, up to twice the replicas the trace's peak needs) scales, and bill
-    the replica-hours (chapter 6.3).
+    :func:`~labkit.cost.compare.default_policy`, up to twice the replicas the trace's peak needs)
+    scales, and bill the replica-hours (chapter 6.3).
 
     The trace's lengths should be the workload's: the SLO rate was found on those.
     TTFT SLO attainment is reported because scaling on a signal costs latency while new

@@ -13,8 +13,8 @@ Serving more tokens needs more GPUs, and servers come whole, so the self-hosted 
 step function of volume while the API's is a straight line through zero. Where they cross is
 the breakeven; it may not exist (a fully used server costs more than the API charges for the
 tokens it serves), and there may be several crossings (each new server lifts the cost above
-the API line again for a while). :meth:`Scenario.breakeven` finds them on the step function
-and says "never", with the reason, instead of dividing by a zero or negative margin.
+the API line again for a while). :meth:`~labkit.cost.Scenario.breakeven` finds them on the step
+function and says "never", with the reason, instead of dividing by a zero or negative margin.
 
 Every price and rate is a parameter. ``labkit/data/gpu_capex.csv`` and
 ``labkit/data/tco_inputs.csv`` hold sourced, dated values to start from
@@ -296,7 +296,7 @@ class SelfHosted:
     - power: the GPUs' TDP (chapter 1's table, or ``tdp_w``) x ``gpu_power_fraction`` (their
       average draw; 1.0 is the worst case) x ``server_power_ratio`` (CPUs, memory, fans, NICs:
       server wall power over GPU TDP) x ``pue`` (cooling and power distribution) x
-      ``electricity_usd_kwh`` x :data:`HOURS_PER_MONTH`;
+      ``electricity_usd_kwh`` x ``HOURS_PER_MONTH``;
     - ``colocation_usd_kw_month``: rent per kW of IT capacity (the servers at full power);
       0 when you own the building, whose cost is then yours to add;
     - ``staff_fte`` people at ``staff_usd_year`` each: fixed for the deployment, whatever

@@ -52,8 +52,8 @@ def _probe(probe: Probe) -> dict:
 
 
 def vllm_container(spec: DeploymentSpec, host: str, name: str = "vllm") -> dict:
-    """The vLLM container (chapter 8): :func:`vllm_serve_command` listening on ``host``
-    (:data:`POD_IP` adds the variable it expands from), the API key from the Secret
+    """The vLLM container (chapter 8): :func:`~labkit.deploy.vllm_serve_command` listening on
+    ``host`` (:data:`POD_IP` adds the variable it expands from), the API key from the Secret
     ``api_key_secret`` (not optional: a missing Secret keeps the pod from starting instead of
     starting it without a key), requests equal to limits, the cache and /dev/shm mounted,
     and the three probes.
@@ -166,7 +166,7 @@ def kubernetes_manifests(spec: DeploymentSpec, include_secret: bool = False) -> 
     By default the Deployment refers to an existing Secret ``api_key_secret``, created
     outside any file, e.g. ``kubectl create secret generic vllm-api-key
     --from-literal=api-key="$(openssl rand -hex 32)"``. ``include_secret=True`` adds that
-    Secret with a placeholder to fill in (:func:`api_key_secret`).
+    Secret with a placeholder to fill in (:func:`~labkit.deploy.kubernetes.api_key_secret`).
     """
     manifests = [cache_claim(spec), deployment(spec), service(spec),
                  pod_disruption_budget(spec)]

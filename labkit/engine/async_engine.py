@@ -40,7 +40,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    """An :class:`LLMEngine` driven by its own thread, for use from asyncio code."""
+    """An :class:`~labkit.engine.LLMEngine` driven by its own thread, for use from asyncio code."""
 
     def __init__(self, args: EngineArgs, served_model_name: str | None = None) -> None:
         self.engine = LLMEngine(args)
@@ -94,11 +94,13 @@ class AsyncLLMEngine:
                 self._commands.put(("abort", request_id))
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """:meth:`LLMEngine.sleep` on the engine's thread (vLLM's ``AsyncLLM.sleep``)."""
+        """:meth:`~labkit.engine.LLMEngine.sleep` on the engine's thread (vLLM's
+        ``AsyncLLM.sleep``)."""
         await self._on_engine_thread("sleep", level, mode)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        """:meth:`LLMEngine.wake_up` on the engine's thread; True once fully awake."""
+        """:meth:`~labkit.engine.LLMEngine.wake_up` on the engine's thread; True once fully
+        awake."""
         return await self._on_engine_thread("wake_up", tags)
 
     def is_sleeping(self) -> bool:

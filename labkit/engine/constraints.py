@@ -109,7 +109,7 @@ class RegexConstraint:
 
     def allowed(self, text: str) -> np.ndarray:
         """Boolean mask over the vocabulary for the token after ``text``; a
-        :class:`~labkit.checks.ParameterError` if that takes over :data:`MASK_TIMEOUT_S`."""
+        :class:`~labkit.checks.ParameterError` if that takes over ``MASK_TIMEOUT_S``."""
         deadline = time.monotonic() + MASK_TIMEOUT_S
         mask = np.zeros(len(self.token_texts), dtype=bool)
         for first, token_ids in self._by_first_char.items():
@@ -122,7 +122,7 @@ class RegexConstraint:
         return mask
 
     def is_full_match(self, text: str) -> bool:
-        """Whether ``text`` matches the whole pattern (within :data:`MASK_TIMEOUT_S`)."""
+        """Whether ``text`` matches the whole pattern (within ``MASK_TIMEOUT_S``)."""
         return self._matches(text, time.monotonic() + MASK_TIMEOUT_S, partial=False)
 
     def _matches(self, text: str, deadline: float, partial: bool = True) -> bool:

@@ -8,17 +8,17 @@ offline API. The KV cache is sized the way vLLM sizes it (chapter 1.3), on a sim
 device of ``device_memory_gib``.
 
 Requests enter in two halves so that a server can keep its engine loop busy only with
-stepping: :meth:`LLMEngine.process_inputs` validates and tokenizes (any thread; every
-problem is a :class:`~labkit.checks.ParameterError` naming the field) and
-:meth:`LLMEngine.add_processed` queues the result (the engine's thread; cannot fail on
-input). ``n > 1`` choices share the prompt's KV blocks: the first choice prefills, the
+stepping: :meth:`~labkit.engine.LLMEngine.process_inputs` validates and tokenizes (any thread;
+every problem is a :class:`~labkit.checks.ParameterError` naming the field) and
+:meth:`~labkit.engine.LLMEngine.add_processed` queues the result (the engine's thread; cannot fail
+on input). ``n > 1`` choices share the prompt's KV blocks: the first choice prefills, the
 others fork from it (chapter 3.1) and sample their first token from the same logits.
 
 Sharing a device (chapter 6.2): with ``device_id`` the simulated device is a
 :class:`~labkit.engine.device.SimulatedDevice` that other processes share, and the engine
 starts only if ``gpu_memory_utilization`` of the whole device is free, as vLLM's does. With
-``enable_sleep_mode`` it can :meth:`LLMEngine.sleep` (hand its weights and KV cache back to
-the device) and :meth:`LLMEngine.wake_up`, as vLLM's sleep mode does.
+``enable_sleep_mode`` it can :meth:`~labkit.engine.LLMEngine.sleep` (hand its weights and KV cache
+back to the device) and :meth:`~labkit.engine.LLMEngine.wake_up`, as vLLM's sleep mode does.
 """
 
 from __future__ import annotations
@@ -544,7 +544,7 @@ class LLM:
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's ``LLM.sleep``: hand the device memory back (needs ``enable_sleep_mode``);
-        see :meth:`LLMEngine.sleep` for the levels."""
+        see :meth:`~labkit.engine.LLMEngine.sleep` for the levels."""
         self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> bool:

@@ -109,7 +109,7 @@ class BackendPool:
 
     ``on_eject(endpoint)`` and ``on_readmit(endpoint)`` are called on each transition (the
     gateway counts them in its own metrics). :meth:`start` runs the scrape and probe loops
-    on the running event loop with the given client; :meth:`stop` ends them. Not
+    on the running event loop with the given client; ``stop()`` ends them. Not
     thread-safe: everything runs on the gateway's one event loop.
     """
 

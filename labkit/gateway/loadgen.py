@@ -294,7 +294,7 @@ class BackendFleet:
 def gateway_command(backends: Sequence[str], strategy: str, port: int, *,
                     seed: int | None = None, host: str = "127.0.0.1") -> list[str]:
     """The ``labkit gateway`` command line in front of ``backends`` with ``strategy`` (one of
-    :data:`labkit.gateway.STRATEGIES`), run with this Python (chapter 5)."""
+    ``labkit.gateway.STRATEGIES``), run with this Python (chapter 5)."""
     from labkit.gateway.routing import STRATEGIES
 
     if not backends:

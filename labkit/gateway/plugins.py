@@ -121,7 +121,8 @@ class SaturationDetector(Filter):
     ``saturationdetector/utilization/detector.go``); the Inference Extension v1.3.1 counted an
     endpoint saturated only above the thresholds (``>``), not at them. Where upstream then
     falls back to all endpoints and lets its flow controller queue the request, we shed it:
-    every candidate saturated raises :class:`SaturatedError`, the proxy's 429 with ``Retry-After``.
+    every candidate saturated raises :class:`~labkit.gateway.SaturatedError`, the proxy's 429 with
+    ``Retry-After``.
 
     The proxy must scrape each backend more often than ``metrics_staleness_s`` (upstream: every
     50 ms against 200 ms), or pass a larger value: otherwise every endpoint looks stale.
@@ -197,8 +198,8 @@ class QueueScorer(Scorer):
     (llm-d ``pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go``). Unknown: 0.
     Upstream reads the scraped ``vllm:num_requests_waiting`` alone, and its saturation
     detector's README warns that a burst between two scrapes piles onto the endpoint that
-    still looks idle. Here the queue is :attr:`Endpoint.expected_waiting`: the scraped one
-    plus the requests this gateway sent since that scrape.
+    still looks idle. Here the queue is :attr:`~labkit.gateway.Endpoint.expected_waiting`: the
+    scraped one plus the requests this gateway sent since that scrape.
     """
 
     name = "queue-scorer"
@@ -224,8 +225,9 @@ class KVCacheScorer(Scorer):
 class PrefixCacheScorer(Scorer):
     """The EPP's prefix-cache scorer: the share of the prompt's chunks an endpoint holds.
 
-    ``matched leading chunks / total chunks`` from the gateway's own :class:`PrefixIndex`, 0 for
-    a prompt shorter than one chunk (llm-d ``scorer/prefix/plugin.go``). The index learns in
+    ``matched leading chunks / total chunks`` from the gateway's own
+    :class:`~labkit.gateway.prefix_index.PrefixIndex`, 0 for a prompt shorter than one chunk (llm-d
+    ``scorer/prefix/plugin.go``). The index learns in
     :meth:`record`, once the proxy has sent the request, as upstream's ``PreRequest`` does.
     """
 

@@ -120,8 +120,9 @@ class Router(ABC):
              now: float) -> Endpoint:
         """Choose one routable endpoint.
 
-        Raises :class:`NoEndpointError` when none is routable (none healthy, or all draining),
-        :class:`SaturatedError` (with ``retry_after_s``) when the strategy sheds load.
+        Raises :class:`~labkit.gateway.NoEndpointError` when none is routable (none healthy, or
+        all draining), :class:`~labkit.gateway.SaturatedError` (with ``retry_after_s``) when the
+        strategy sheds load.
         """
 
     def record(self, request: RoutingRequest,  # noqa: B027 - stateless routers learn nothing
@@ -178,8 +179,9 @@ class SchedulerConfig:
     """The options of ``endpoint_picker`` and ``prefix_aware``, with upstream's defaults.
 
     Weights are the scheduling profile's; ``picker`` is ``"max_score"`` (upstream's default)
-    or ``"weighted_random"``; the thresholds are :class:`SaturationDetector`'s; the last three
-    size the :class:`PrefixIndex`.
+    or ``"weighted_random"``; the thresholds are
+    :class:`~labkit.gateway.plugins.SaturationDetector`'s; the last three size the
+    :class:`~labkit.gateway.prefix_index.PrefixIndex`.
     """
 
     queue_weight: float = QUEUE_SCORER_WEIGHT
@@ -230,12 +232,13 @@ STRATEGIES: tuple[str, ...] = tuple(_OPTIONS)
 
 
 def make_router(strategy: str, *, seed: int | None = None, **options) -> Router:
-    """A new router for ``strategy`` (one of :data:`STRATEGIES`), chapter 5.
+    """A new router for ``strategy`` (one of ``STRATEGIES``), chapter 5.
 
     ``seed`` seeds the router's one ``random.Random`` (tie-breaks, random candidates), so runs
     repeat. Options: ``consistent_hash`` takes ``virtual_nodes`` (default 160);
-    ``endpoint_picker`` and ``prefix_aware`` take the fields of :class:`SchedulerConfig`;
-    the others take none. Raises :class:`ParameterError` naming a bad strategy or option.
+    ``endpoint_picker`` and ``prefix_aware`` take the fields of
+    :class:`~labkit.gateway.routing.SchedulerConfig`; the others take none. Raises
+    :class:`~labkit.checks.ParameterError` naming a bad strategy or option.
     """
     if strategy not in _OPTIONS:
         raise ParameterError("strategy", f"strategy must be one of {', '.join(STRATEGIES)}, "

@@ -202,7 +202,7 @@ class GatewayMetrics:
 class Gateway:
     """An OpenAI-compatible reverse proxy in front of ``backends`` (chapter 5).
 
-    ``strategy`` names a router of :data:`labkit.gateway.routing.STRATEGIES` (``seed`` and
+    ``strategy`` names a router of ``labkit.gateway.routing.STRATEGIES`` (``seed`` and
     ``router_options`` go to :func:`~labkit.gateway.routing.make_router`), or is a
     :class:`~labkit.gateway.routing.Router` itself. Health: ``eject_after`` consecutive
     failures eject a backend, ``readmit_after`` consecutive good probes (one every
@@ -213,7 +213,7 @@ class Gateway:
     ``api_key`` (if set) is required on ``/v1`` and the admin routes; bodies over
     ``max_request_bytes`` are refused. The admin API waits up to
     ``worker_startup_timeout_s`` for a new backend's health and up to ``drain_timeout_s``
-    for a leaving one's open requests. Serve :attr:`app` with any ASGI server (uvicorn in
+    for a leaving one's open requests. Serve ``app`` with any ASGI server (uvicorn in
     ``labkit gateway``); its lifespan starts and stops the pool.
     """
 

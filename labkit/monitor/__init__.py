@@ -6,7 +6,10 @@
 * :mod:`labkit.monitor.alerts`: alerting rules with ``for:``, pending/firing/resolved;
 * :mod:`labkit.monitor.health`: ``/health`` probes with consecutive-failure state;
 * :mod:`labkit.monitor.artifacts`: scrape config, rules, rule unit tests, Grafana dashboard;
-* :mod:`labkit.monitor.conformance`: ``/metrics`` against vLLM's metric table, query lint.
+* :mod:`labkit.monitor.conformance`: ``/metrics`` against vLLM's metric table, query lint;
+* :mod:`labkit.monitor.prometheus`: the real Prometheus on loopback, queried over its HTTP API,
+  or labkit's own scraper behind the same interface where Prometheus is not installed;
+* :mod:`labkit.monitor.live_dashboard`: a notebook dashboard that redraws while a load runs.
 """
 
 from labkit.monitor.alerts import (Alert, AlertEvent, AlertRule, AlertState, RuleEvaluator,
@@ -16,6 +19,11 @@ from labkit.monitor.artifacts import (dashboard, overload_script, promtool, rule
                                       rules_file, scrape_config)
 from labkit.monitor.conformance import check_exposition, lint_queries, load_reference
 from labkit.monitor.health import HealthChecker, HealthStatus, HealthTransition
+from labkit.monitor.live_dashboard import (LiveDashboard, LoadPhase, Panel, default_panels,
+                                           scripted_load)
+from labkit.monitor.prometheus import (ActiveAlert, AlertChange, AlertWatcher, LabkitMonitor,
+                                       Monitor, PrometheusServer, UnsupportedQuery,
+                                       prometheus_binary, start_monitor)
 from labkit.monitor.scrape import ScrapeResult, Scraper, parse_samples
 from labkit.monitor.series import (Sample, Series, SeriesStore, bucket_quantile,
                                    extrapolated_delta, histogram_quantile, increase,
@@ -30,4 +38,7 @@ __all__ = [
     "extrapolated_delta", "histogram_quantile", "increase", "kv_usage_above",
     "latest_values", "parse_samples", "preemption_rate_above", "rate", "sum_rate",
     "ttft_p99_above", "waiting_queue_above",
+    "ActiveAlert", "AlertChange", "AlertWatcher", "LabkitMonitor", "LiveDashboard", "LoadPhase",
+    "Monitor", "Panel", "PrometheusServer", "UnsupportedQuery", "default_panels",
+    "prometheus_binary", "scripted_load", "start_monitor",
 ]

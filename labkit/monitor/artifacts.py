@@ -115,7 +115,7 @@ class ScriptedLoad:
     series: Mapping[tuple[str, tuple[tuple[str, str], ...]], Sequence[float | None]]
 
     def store(self) -> SeriesStore:
-        """The script as scraped samples, for :class:`RuleEvaluator`."""
+        """The script as scraped samples, for :class:`~labkit.monitor.RuleEvaluator`."""
         store = SeriesStore()
         for (name, labels), values in self.series.items():
             for step, value in enumerate(values):
@@ -188,9 +188,9 @@ def rule_tests(rules: Sequence[AlertRule], script: ScriptedLoad, *,
                rule_file: str = "rules.yml") -> dict:
     """A ``promtool test rules`` file for ``rules`` on ``script`` (chapter 8).
 
-    The script is evaluated with :class:`RuleEvaluator` at every step; each rule must fire
-    (after its ``for:``) and be resolved by the end, else ``ParameterError``: a test in which
-    an alert never fires proves nothing. Test cases are written where a rule's firing alerts
+    The script is evaluated with :class:`~labkit.monitor.RuleEvaluator` at every step; each rule
+    must fire (after its ``for:``) and be resolved by the end, else ``ParameterError``: a test in
+    which an alert never fires proves nothing. Test cases are written where a rule's firing alerts
     change and one step before (still pending or still firing), with the labels and summary
     Prometheus must report.
     """
@@ -268,7 +268,7 @@ def dashboard(*, title: str = "vLLM fleet (labkit, chapter 8)", uid: str = "labk
               rate_window: str = _RATE, refresh: str = "10s") -> dict:
     """A Grafana dashboard (classic JSON model) of vLLM's metrics, chapter 8.
 
-    Fields as Grafana's JSON model documents them (see :data:`GRAFANA_SCHEMA_VERSION`):
+    Fields as Grafana's JSON model documents them (see ``GRAFANA_SCHEMA_VERSION``):
     ``uid``, ``title``, ``schemaVersion``, ``time``, ``refresh``, a ``templating`` variable
     for the Prometheus data source, and ``timeseries`` panels with ``id``, ``gridPos`` (24
     columns wide), ``datasource``, ``fieldConfig`` (unit) and ``targets`` (``refId``,

@@ -1,4 +1,5 @@
-"""Scraping any number of servers' ``/metrics`` into a :class:`SeriesStore` (chapter 8).
+"""Scraping any number of servers' ``/metrics`` into a :class:`~labkit.monitor.SeriesStore`
+(chapter 8).
 
 What a Prometheus server does on each scrape, in Python: ``GET /metrics`` from every
 target at once, parse the page with ``prometheus_client``'s parser, and store each sample

@@ -111,7 +111,7 @@ class Scheduler:
         """Schedule ``requests`` (``running``, or its tail) in order within ``budget`` tokens;
         returns the budget left.
 
-        :meth:`schedule` passes all of ``running``. The fast simulator
+        ``schedule()`` passes all of ``running``. The fast simulator
         (:mod:`labkit.simulate.fast`) schedules the decodes at its head itself, in bulk, and
         passes the rest with what is left of the budget.
         """

@@ -75,7 +75,7 @@ class RooflineCost:
         return bound.time_s + self.step_overhead_s
 
     def time_of_totals(self, num_tokens: int, num_pairs: int, num_kv_tokens: int) -> float:
-        """The same time from the step's :func:`row_totals`, in O(1).
+        """The same time from the step's :func:`~labkit.simulate.cost.row_totals`, in O(1).
 
         Bit for bit what calling the model on the rows returns: the same float operations in
         the same order as ``step_bound`` (which sums the pairs as floats; below 2**53 that sum
