@@ -159,3 +159,28 @@ def test_figure_references_resolve_across_chapters(built):
     assert "ch01_gpu_selection.html#fig-roofline" in ch03
     ch05 = (built / "chapters" / "ch05_gateway_autoscaling.html").read_text()
     assert 'id="fig-endpoint-picker"' in ch05 and 'id="fig-hpa-loop"' in ch05
+
+
+def test_glossary_gives_the_tutorials_terms_and_chapters_link_to_it(built):
+    glossary = (built / "glossary.html").read_text()
+    for term in ("显存", "张量并行", "连续批处理", "量化"):
+        assert term in glossary
+    ch03 = (built / "chapters" / "ch03_paged_attention_batching_parallelism.html").read_text()
+    assert "glossary.html#term-" in ch03
+
+
+def test_errata_links_every_finding_to_a_section(built):
+    errata = (built / "tutorial_errata.html").read_text()
+    for chapter in ("ch01_gpu_selection", "ch05_gateway_autoscaling", "ch06_gpu_sharing",
+                    "ch07_cloud_vs_self_hosted", "ch08_production"):
+        assert f"chapters/{chapter}.html#" in errata
+
+
+def test_landing_page_and_instructor_guide(built):
+    intro = (built / "intro.html").read_text()
+    assert "labkit doctor" in intro and "instructor_guide.html" in intro
+    guide = (built / "instructor_guide.html").read_text()
+    from labkit.doctor import LABS
+
+    assert all(lab in guide for lab in LABS)          # rendered from the doctor's table
+    assert "make vllm-env" in guide and "--allow-root" in guide

@@ -77,7 +77,8 @@ async def scripted_load(base_url: str, model: str, phases: Sequence[LoadPhase],
     ``requests`` in turn (cycling), until the phase's time is up; a request in flight then
     finishes, so the load falls as the queue drains, as it does when clients stop. The
     next phase starts on time regardless. ``clock`` stamps the phases (pass the monitor's
-    ``now`` to line them up with its samples). Returns one :class:`PhaseResult` per phase.
+    ``now`` to line them up with its samples). Returns one
+    :class:`~labkit.monitor.live_dashboard.PhaseResult` per phase.
     """
     if not phases:
         raise ParameterError("phases", "phases must hold at least one LoadPhase")

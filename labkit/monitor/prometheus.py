@@ -26,7 +26,7 @@ Prometheus' own ``float64(t1 - t0) / 1000``.
 
 Prometheus applies a new config's targets through its discovery manager, which sends updates
 every 5 seconds (``updatert``, v2.42.0 ``discovery/manager.go``): the first scrapes come a few
-seconds after ``/-/ready``, hence :meth:`Monitor.wait_scraped`. ``/api/v1/alerts`` lists the
+seconds after ``/-/ready``, hence ``wait_scraped()``. ``/api/v1/alerts`` lists the
 alerts that are pending or firing (``ActiveAlerts``, v2.42.0 ``rules/alerting.go``): a
 resolved alert leaves the list, which :class:`AlertWatcher` records as ``resolved``.
 
@@ -34,7 +34,7 @@ One difference between Prometheus 2.x and 3.x matters when comparing numbers: a 
 selector ``x[30s]`` evaluated at ``t`` takes the samples in ``[t - 30s, t]`` in 2.x
 (``matrixIterSlice``, ``t >= mint``, v2.42.0 ``promql/engine.go``) and in ``(t - 30s, t]``
 since 3.0, as :mod:`labkit.monitor.series` does. They differ only when a sample sits exactly
-on ``t - 30s``; the tests pick evaluation times where none does (:meth:`Monitor.time_off_samples`).
+on ``t - 30s``; the tests pick evaluation times where none does (``time_off_samples()``).
 In 2.x ``rate()`` also caps the extrapolation towards a counter's zero before its 1.1-interval
 test, 3.x after (``extrapolatedRate``, ``promql/functions.go``); the two agree whenever the
 window lies inside the scraped history, as it does in the tests and the lab.
@@ -633,8 +633,8 @@ class LabkitMonitor(Monitor):
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout=30)
 
     def query(self, expr: str, at: float | None = None) -> QueryResult:
-        """``expr`` (one of :data:`SUPPORTED_QUERIES`) at ``at`` (monitor time; default
-        now), on the scraped samples."""
+        """``expr`` (one of :data:`~labkit.monitor.prometheus.SUPPORTED_QUERIES`) at ``at``
+        (monitor time; default now), on the scraped samples."""
         return self._on_loop(lambda: evaluate(self.store, expr,
                                               self.now() if at is None else at))
 
