@@ -45,9 +45,10 @@ from labkit.simulate.records import SimulationResult, StepRecord
 
 def can_simulate_fast(scheduler: object, requests: Sequence[Request]) -> bool:
     """Whether :func:`simulate_fast` gives the step-by-step result for this run: an empty
-    :class:`Scheduler` on a :class:`KVCacheManager`, and plain :class:`Request` objects with
-    planned outputs and distinct ids (a subclass may stop early through ``check_stop``,
-    which the fast path asks only of a request's last planned token)."""
+    :class:`~labkit.scheduling.Scheduler` on a :class:`~labkit.kvcache.KVCacheManager`, and
+    plain :class:`~labkit.scheduling.Request` objects with planned outputs and distinct ids
+    (a subclass may stop early through ``check_stop``, which the fast path asks only of a
+    request's last planned token)."""
     return (type(scheduler) is Scheduler and type(scheduler.kv_cache) is KVCacheManager
             and not scheduler.has_unfinished_requests()
             and all(type(r) is Request and r.output_plan is not None for r in requests)
