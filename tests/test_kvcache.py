@@ -72,6 +72,14 @@ def test_hasher_extends_a_list_block_by_block():
     assert hashes[0] is first and hashes == hash_request_blocks(tokens, 4)
 
 
+def test_hasher_extends_with_the_tokens_after_its_blocks():
+    tokens = list(range(11))
+    hasher, hashes = BlockHasher(4), []
+    hasher.extend(hashes, tokens[:6])            # one full block, two tokens past it
+    hasher.extend_with(hashes, tokens[4:])       # those two and the rest: one more block
+    assert hashes == hash_request_blocks(tokens, 4) and len(hashes) == 2
+
+
 def test_prefix_hit_never_covers_the_whole_prompt():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     prompt = list(range(8))                       # exactly two full blocks

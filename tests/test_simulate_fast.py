@@ -194,6 +194,25 @@ def test_roofline_cost_of_totals_is_the_cost_of_rows(model, gpu, tp, dtype, over
     assert cost.time_of_totals(*row_totals(rows)) == cost(rows)  # equal, not approximately
 
 
+def test_the_fast_path_hashes_every_block_once():
+    calls = 0
+
+    def counting_hash(key):
+        nonlocal calls
+        calls += 1
+        return hash(key)
+
+    # Request i: 37 prompt and 50 + i planned tokens; blocks of 4; 40 blocks cannot hold 4 of
+    # them (22 to 24 blocks each), so some are preempted and recomputed, from their hashes.
+    requests = [Request(f"r{i}", list(range(i, i + 37)), list(range(50 + i)), 0.5 * i)
+                for i in range(6)]
+    scheduler = Scheduler(KVCacheManager(40, 4, hash_fn=counting_hash), SchedulerConfig(4, 64))
+    simulate(scheduler, requests, one_second_per_step)
+    assert scheduler.num_preemptions > 0
+    assert calls == sum((37 + 50 + i) // 4 for i in range(6))  # every full block, once
+    assert [len(r.block_hashes) for r in requests] == [(87 + i) // 4 for i in range(6)]
+
+
 class StopsAtSeven(Request):
     def check_stop(self) -> bool:
         if self.token_ids[-1] == 7:

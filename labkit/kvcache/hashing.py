@@ -37,12 +37,17 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
+# ``BlockHash(value, tokens)`` runs a Python-level ``__new__``; this builds the same tuple in C,
+# in about half the time (timeit), for the hundreds of thousands of blocks a simulation hashes.
+_new_block_hash = tuple.__new__
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
                       hash_fn: HashFn = hash) -> BlockHash:
     """The hash of one full block, chained to its parent's (``None`` for a first block)."""
     parent_value = parent.value if parent is not None else None
     tokens = tuple(token_ids)
-    return BlockHash(hash_fn((parent_value, tokens)), tokens)
+    return _new_block_hash(BlockHash, (hash_fn((parent_value, tokens)), tokens))
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,20 @@ class BlockHasher:
     def extend(self, block_hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
         """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` that it
         does not have yet; a partial last block gets none until it fills."""
+        first = len(block_hashes) * self.block_size  # the first token not in a hashed block
+        if len(token_ids) - first >= self.block_size:  # most calls: a token that fills none
+            self.extend_with(block_hashes, token_ids[first:] if first else token_ids)
+
+    def extend_with(self, block_hashes: list[BlockHash], new_token_ids: Sequence[int]) -> None:
+        """:meth:`extend`, given only the tokens after the blocks ``block_hashes`` has: a
+        simulator that knows a request's whole output hashes it without copying the prompt."""
         size, hash_fn = self.block_size, self.hash_fn
-        first = len(block_hashes) * size  # the first token not in a hashed block
         parent = block_hashes[-1].value if block_hashes else None
-        for start in range(first, len(token_ids) - size + 1, size):
-            tokens = tuple(token_ids[start:start + size])
-            block_hashes.append(BlockHash(parent := hash_fn((parent, tokens)), tokens))
+        # zip over ``size`` references to one iterator: the full blocks' token tuples, cut in C
+        # (not strict: it stops before a partial last block, which gets no hash).
+        for tokens in zip(*[iter(new_token_ids)] * size, strict=False):
+            parent = hash_fn((parent, tokens))
+            block_hashes.append(_new_block_hash(BlockHash, (parent, tokens)))
 
 
 def hash_request_blocks(token_ids: Sequence[int], block_size: int,

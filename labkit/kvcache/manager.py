@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
+from operator import attrgetter
 from typing import TypeVar
 
 from labkit.checks import positive_int
@@ -123,7 +124,7 @@ class KVCacheManager:
                 else [b.block_hash for b in computed_blocks])
             self.req_num_cached_blocks[request_id] = len(computed_blocks)
         blocks.extend(new_blocks)
-        self.req_block_ids[request_id].extend([b.block_id for b in new_blocks])
+        self.req_block_ids[request_id].extend(map(_block_id, new_blocks))
         self.req_num_slots[request_id] = total
         self._cache_full_blocks(request_id, token_ids, total)
         return new_blocks
@@ -172,10 +173,12 @@ class KVCacheManager:
             return
         block_hashes = self.req_block_hashes[request_id]
         self.block_hasher.extend(block_hashes, token_ids)  # no-op if the request hashed them
-        blocks = self.req_to_blocks[request_id]
-        for i in range(first, num_full):
-            self.block_pool.cache_block(blocks[i], block_hashes[i], blocks[i - 1] if i else None)
+        self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, first,
+                                          num_full)
         self.req_num_cached_blocks[request_id] = num_full
+
+
+_block_id = attrgetter("block_id")  # in C: a prompt takes hundreds of blocks at once
 
 
 def _of_request(table: dict[str, T], request_id: str) -> T:

@@ -14,9 +14,13 @@ the head of ``scheduler.running`` are *steady*, and kept lazily:
   :mod:`~labkit.simulate.cost`), not from a row per request;
 - requests are bucketed by where their next token falls in a block, so a step finds the few
   that need a new block, or fill one, without scanning the batch; their block work is what
-  ``KVCacheManager.allocate_slots`` does for one token, on the same tables and pool, in the
-  same order (only the manager's slot count of a steady request lags: nothing reads it
-  before the request is freed);
+  ``KVCacheManager.allocate_slots`` does for one token, on the same tables and pool, with the
+  same outcome (only the manager's counts of a steady request's slots and cached blocks
+  lag: nothing reads them before the request is freed);
+- with prefix caching, a request's planned tokens are known on arrival, so all its block
+  hashes are computed then, in one pass (``Request.block_hashes`` runs ahead of its
+  ``token_ids``, which every reader allows: lookups stop at the known tokens, and the hasher
+  skips blocks already hashed);
 - a steady request's last step is known the moment it becomes steady: a heap says who
   finishes when.
 
@@ -37,7 +41,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from labkit.kvcache import KVCacheBlock, KVCacheManager, hash_block_tokens
+from labkit.kvcache import BlockHash, KVCacheBlock, KVCacheManager
 from labkit.scheduling import Request, Scheduler, SchedulerOutput
 from labkit.simulate.cost import StepCostModel, row_totals
 from labkit.simulate.records import SimulationResult, StepRecord
@@ -68,7 +72,7 @@ def simulate_fast(scheduler: Scheduler, requests: Sequence[Request], step_cost: 
     with cyclic_gc_paused():
         while True:
             while times[i] <= now:
-                scheduler.add_request(arrivals[i])
+                sim.add_request(arrivals[i])
                 i += 1
             if not scheduler.has_unfinished_requests():
                 if i == len(arrivals):
@@ -79,7 +83,7 @@ def simulate_fast(scheduler: Scheduler, requests: Sequence[Request], step_cost: 
                 raise RuntimeError(f"simulation did not finish within max_steps={max_steps}")
             end, num_tokens = sim.step(len(steps), now)
             while times[i] <= end:  # arrivals during the step come in before its record
-                scheduler.add_request(arrivals[i])
+                sim.add_request(arrivals[i])
                 i += 1
             steps.append(StepRecord(now, end, num_tokens, len(scheduler.running),
                                     len(scheduler.waiting), kv.usage, scheduler.num_preemptions))
@@ -115,6 +119,7 @@ class _Steady:
     synced: int                 # its Request holds every token of the steps before this one
     blocks: list[KVCacheBlock]  # its block table in the KV cache manager (the same lists)
     block_ids: list[int]
+    hashes: list[BlockHash]     # its Request's block hashes (the same list)
     gone: bool = False          # finished or preempted: no longer steady
 
 
@@ -135,12 +140,26 @@ class FastSimulator:
         self.finishes: list[tuple[int, int, _Steady]] = []  # heap: (last step, rank, request)
         self.context_base_sum = 0
         self.ranks = itertools.count()
+        self.out = SchedulerOutput()  # what the scheduler adds to a step beyond steady decodes
+
+    def add_request(self, request: Request) -> None:
+        """``scheduler.add_request``; with prefix caching, also hash the blocks of the
+        request's planned output now, in one pass: a step that fills one only looks it up."""
+        self.scheduler.add_request(request)  # which hashes the prompt's full blocks
+        hasher = self.kv.block_hasher
+        if hasher is not None:
+            hashes = request.block_hashes
+            rest = request.token_ids[len(hashes) * hasher.block_size:]  # a partial block
+            rest += request.output_plan[request.num_output_tokens:]
+            hasher.extend_with(hashes, rest)
 
     def step(self, t: int, now: float) -> tuple[float, int]:
         """Schedule, time and finish step ``t`` starting at ``now``; returns its end and its
         number of tokens."""
         sched = self.scheduler
-        out = SchedulerOutput()
+        if self.out.requests or self.out.preempted:  # most steps leave it empty: reused then
+            self.out = SchedulerOutput()
+        out = self.out
         # Each steady decode takes one token of the budget, and they all fit: every running
         # request got a token when it was admitted, so ``running`` never outnumbers the budget.
         if self._decode_blocks(t, out):  # else a steady request preempted itself: no more
@@ -155,9 +174,10 @@ class FastSimulator:
         self.ends.append(end)
         if self.finishes and self.finishes[0][0] <= t:
             self._finish_steady(t, end)
-        if out.requests:
-            sched.update(out, end)
-            self._absorb(t + 1)
+        if not out.requests:  # most steps: the steady decodes only
+            return end, num_steady
+        sched.update(out, end)
+        self._absorb(t + 1)
         return end, num_steady + out.total_num_scheduled_tokens
 
     def _cost(self, t: int, out: SchedulerOutput) -> float:
@@ -178,11 +198,18 @@ class FastSimulator:
         size, pool = self.block_size, self.kv.block_pool
         starting = self.buckets[(1 - t) % size]
         filling = self.buckets[-t % size] if self.kv.block_hasher is not None else []
-        if not filling and len(starting) <= pool.num_free_blocks:  # one call for every block
-            for s, block in zip(starting, pool.get_new_blocks(len(starting)), strict=True):
-                s.blocks.append(block)
-                s.block_ids.append(block.block_id)
-            return True
+        if filling is not starting and len(starting) <= pool.num_free_blocks:
+            # No preemption this step. New blocks only evict hashes cached before the step,
+            # and a filled block whose hash was not among them caches the same way before or
+            # after those evictions: such blocks are cached first, the new blocks are taken
+            # after, in one call. From the first filled block whose hash is cached already
+            # (a twin's, or a collision), the rest goes in running order below.
+            filling = self._cache_until_cached(filling, t)
+            if not filling:
+                for s, block in zip(starting, pool.get_new_blocks(len(starting)), strict=True):
+                    s.blocks.append(block)
+                    s.block_ids.append(block.block_id)
+                return True
         # A copy: preemption takes requests out of the buckets.
         touched = sorted(starting + filling, key=_rank) if filling and filling is not starting \
             else list(starting)
@@ -200,6 +227,19 @@ class FastSimulator:
                 self._cache_full_block(s, (context + 1) // size - 1)
         return True
 
+    def _cache_until_cached(self, filling: list[_Steady], t: int) -> list[_Steady]:
+        """Cache the blocks that ``filling`` fills at step ``t``, in running order, up to the
+        first whose hash value is cached already; returns the requests from that one on."""
+        pool, size = self.kv.block_pool, self.block_size
+        for i, s in enumerate(filling):
+            index = (s.context_base + t + 1) // size - 1
+            block_hash, blocks = s.hashes[index], s.blocks
+            if block_hash.value in pool.cached:
+                return filling[i:]
+            # _cache_full_block(s, index), one call less: a busy step fills several blocks.
+            pool.cache_block(blocks[index], block_hash, blocks[index - 1] if index else None)
+        return []
+
     def _preempt_for(self, s: _Steady, t: int, out: SchedulerOutput) -> bool:
         """Preempt from the tail of ``running`` until a block is free for ``s``; False if
         ``s`` itself had to go. A steady victim is brought up to date first."""
@@ -213,22 +253,11 @@ class FastSimulator:
         return True
 
     def _cache_full_block(self, s: _Steady, index: int) -> None:
-        """Offer block ``index`` of ``s``, just filled, to the prefix cache. Its hash comes
-        from the planned tokens: the Request itself stays lazy (``Request.block_hashes`` only
-        runs ahead of its ``token_ids``, and the hasher skips blocks already hashed)."""
-        r, size, blocks = s.request, self.block_size, s.blocks
-        hashes = r.block_hashes
-        if len(hashes) == index:
-            start, known = index * size, len(r.token_ids)
-            tokens = r.token_ids[start:start + size]
-            if len(tokens) < size:
-                planned = max(start, known) - r.prompt_len
-                tokens += r.output_plan[planned:planned + size - len(tokens)]
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens,
-                                            r.block_hasher.hash_fn))
-        self.kv.block_pool.cache_block(blocks[index], hashes[index],
+        """Offer block ``index`` of ``s``, just filled, to the prefix cache, under the hash
+        computed on the request's arrival; the Request itself stays lazy."""
+        blocks = s.blocks
+        self.kv.block_pool.cache_block(blocks[index], s.hashes[index],
                                        blocks[index - 1] if index else None)
-        self.kv.req_num_cached_blocks[r.request_id] = index + 1
 
     def _sync(self, s: _Steady, t: int) -> None:
         """Bring ``s``'s Request up to date with the tokens of every step before ``t``."""
@@ -239,9 +268,7 @@ class FastSimulator:
         done = len(r.token_ids) - r.prompt_len
         r.num_computed_tokens += k
         r.token_ids += r.output_plan[done:done + k]
-        r.token_times += self.ends[s.synced:t]
-        if r.block_hasher is not None:
-            r.block_hasher.extend(r.block_hashes, r.token_ids)
+        r.token_times += self.ends[s.synced:t]  # its block hashes are all known already
         s.synced = t
 
     def _finish_steady(self, t: int, end: float) -> None:
@@ -274,7 +301,8 @@ class FastSimulator:
             if r.num_computed_tokens != r.num_tokens - 1:
                 return
             s = _Steady(r, next(self.ranks), r.num_computed_tokens - t, t,
-                        self.kv.req_to_blocks[r.request_id], self.kv.req_block_ids[r.request_id])
+                        self.kv.req_to_blocks[r.request_id], self.kv.req_block_ids[r.request_id],
+                        r.block_hashes)
             steady.append(s)
             self.buckets[(s.context_base + 1) % self.block_size].append(s)
             last_step = t + r.max_tokens - r.num_output_tokens - 1
