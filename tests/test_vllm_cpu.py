@@ -72,3 +72,11 @@ def test_remote_llm_speaks_the_worker_protocol(tmp_path):
     assert sent[0]["stop"] == ["."] and "regex" not in sent[0]  # only fields vLLM shares
     assert out[0].prompt == "a" and out[1].prompt is None and out[0].finished
     llm.close()
+
+
+def test_int4_kernels_need_avx512():
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n"
+    assert not vllm_cpu.int4_kernels_available(avx2)
+    assert vllm_cpu.int4_kernels_available(avx512)
+    assert not vllm_cpu.int4_kernels_available("model name\t: avx512f in a name, not a flag\n")
