@@ -22,6 +22,7 @@ import numpy as np
 
 from labkit.checks import ParameterError
 from labkit.cost.tco import Scenario, capex_for, input_range
+from labkit.widgets import calculator
 
 
 def plot_cost_vs_volume(scenario: Scenario, max_tokens_month: float | None = None,
@@ -238,8 +239,6 @@ def tco_widget(scenario: Scenario, swings: Sequence[Swing] | None = None) -> wid
         value=base_total, base=10, min=exponent - 2, max=exponent + 2, step=0.01,
         description="tokens/month", readout_format=".3g",
         style={"description_width": "initial"}, layout=widgets.Layout(width="60%"))
-    report = widgets.HTML()
-
     def current() -> Scenario:
         s = scenario
         for path, control in controls.items():
@@ -247,15 +246,6 @@ def tco_widget(scenario: Scenario, swings: Sequence[Swing] | None = None) -> wid
                 s = s.with_value(path, control.value)
         return s.with_value("traffic", s.traffic.scaled_to(controls["traffic"].value))
 
-    def update(_=None) -> None:
-        try:
-            report.value = f"<pre>{tco_report(current())}</pre>"
-        except ValueError as err:
-            report.value = f"<pre>Invalid setting: {err}</pre>"
-
-    for control in controls.values():
-        control.observe(update, names="value")
-    update()
-    box = widgets.VBox([*controls.values(), report])
-    box.controls, box.report, box.scenario = controls, report, current
+    box = calculator(controls, lambda: tco_report(current()))
+    box.scenario = current
     return box

@@ -109,6 +109,10 @@ class InstanceMemory:
     def kv_cache_bytes(self) -> int:
         return self.kv_blocks_needed * self.block_bytes
 
+    def blocks_in(self, kv_cache_bytes: float) -> int:
+        """Whole KV blocks in ``kv_cache_bytes`` (none when the budget is negative)."""
+        return max(0, int(kv_cache_bytes // self.block_bytes))
+
     @property
     def budget_bytes(self) -> float:
         return self.non_kv_bytes + self.kv_cache_bytes
@@ -157,7 +161,7 @@ class InstancePlan:
 
     @property
     def num_blocks(self) -> int:
-        return max(0, int(self.kv_cache_bytes // self.memory.block_bytes))
+        return self.memory.blocks_in(self.kv_cache_bytes)
 
     @property
     def max_concurrency(self) -> float:
@@ -290,11 +294,11 @@ class FractionCheck:
 
     @property
     def num_blocks(self) -> int:
-        return max(0, int(self.kv_cache_bytes // self.memory.block_bytes))
+        return self.memory.blocks_in(self.kv_cache_bytes)
 
     @property
     def max_concurrency(self) -> float:
-        """Sequences of ``max_model_len`` tokens the KV cache holds at once."""
+        """vLLM's "Maximum concurrency for max_model_len tokens per request"."""
         return self.num_blocks / self.memory.blocks_per_sequence
 
     @property

@@ -8,6 +8,7 @@ from labkit.hardware.dtypes import WEIGHT_FORMATS
 from labkit.hardware.gpus import list_gpus
 from labkit.hardware.kv_budget import DoesNotFitError, plan_kv_cache
 from labkit.hardware.models import preset_names
+from labkit.widgets import calculator
 
 
 def memory_calculator(model: str = "Llama-3-8B", gpu: str = "L40S") -> widgets.VBox:
@@ -31,21 +32,11 @@ def memory_calculator(model: str = "Llama-3-8B", gpu: str = "L40S") -> widgets.V
         "gpu_memory_utilization": widgets.FloatSlider(value=0.9, min=0.5, max=0.98,
                                                       step=0.01, description="GPU mem util"),
     }
-    report = widgets.HTML()
-
-    def update(_=None) -> None:
+    def render() -> str:
         values = {name: c.value for name, c in controls.items()}
         try:
-            plan = plan_kv_cache(values.pop("model"), values.pop("gpu"), **values)
-            report.value = f"<pre>{plan}</pre>"
+            return str(plan_kv_cache(values.pop("model"), values.pop("gpu"), **values))
         except DoesNotFitError as err:
-            report.value = f"<pre>Does not fit: {err}</pre>"
-        except ValueError as err:
-            report.value = f"<pre>Invalid setting: {err}</pre>"
+            return f"Does not fit: {err}"
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    update()
-    box = widgets.VBox([*controls.values(), report])
-    box.controls, box.report = controls, report
-    return box
+    return calculator(controls, render)
