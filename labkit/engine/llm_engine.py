@@ -506,7 +506,10 @@ class LLMEngine:
         else:
             return None, None
         if self._token_texts is None:
-            self._token_texts = [self._token_text(t) for t in range(self.tokenizer.vocab_size)]
+            # Special tokens write no text: only EOS may end a match, and the constraint
+            # knows it by id.
+            self._token_texts = [self.tokenizer.decode([t], skip_special_tokens=True)
+                                 for t in range(self.tokenizer.vocab_size)]
         try:
             constraint = RegexConstraint(pattern, self._token_texts, self.tokenizer.eos_token_id)
             allowed = constraint.allowed("")
@@ -518,7 +521,10 @@ class LLMEngine:
         return constraint, allowed
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+        """A token's text in logprobs, as vLLM writes it: the token decoded alone, special
+        tokens included (``<|begin_of_text|>`` of an echoed prompt; vLLM 0.32's
+        ``convert_ids_list_to_tokens`` in ``vllm/tokenizers/detokenizer_utils.py``)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
