@@ -1,4 +1,4 @@
-"""Paged attention in NumPy (chapter 3.1).
+"""Paged attention in NumPy (:ref:`ch03-paged-attention`).
 
 K and V live in a pool of fixed-size blocks, ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; a sequence's block table says which physical block holds its logical block ``i``.
@@ -47,7 +47,8 @@ class PagedKVStore:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst``: copy-on-write of a forked sequence's last,
-        partly filled block (chapter 3.1), so each fork can append to its own copy."""
+        partly filled block (:ref:`ch03-paged-attention`), so each fork can append to its
+        own copy."""
         for src, dst in copies:
             self.k[dst] = self.k[src]
             self.v[dst] = self.v[src]

@@ -1,4 +1,4 @@
-"""One benchmark harness for every OpenAI-compatible server (chapter 2.5).
+"""One benchmark harness for every OpenAI-compatible server (:ref:`ch02-benchmarking`).
 
 It follows ``vllm bench serve``: requests leave at gamma-distributed times (``burstiness`` 1
 is Poisson) at ``request_rate`` per second, or as fast as ``max_concurrency`` allows; each is

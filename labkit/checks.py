@@ -2,8 +2,9 @@
 
 Every public function in labkit rejects bad input with a :class:`ParameterError`, a
 ``ValueError`` whose message starts with the parameter's name and says what is allowed, e.g.
-``top_p must be in (0, 1], got 1.5``. The server (chapter 2.2) turns it into an HTTP 400
-whose OpenAI error object carries ``param`` from the exception, never guessed from the text.
+``top_p must be in (0, 1], got 1.5``. The teaching engine's server (:mod:`labkit.engine.server`)
+turns it into an HTTP 400 whose OpenAI error object carries ``param`` from the exception, never
+guessed from the text.
 """
 
 from __future__ import annotations

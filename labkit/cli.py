@@ -1,4 +1,4 @@
-"""``labkit`` on the command line (chapter 2).
+"""``labkit`` on the command line (chapter 2, :ref:`ch02-streaming`).
 
     labkit serve MODEL_DIR [vLLM's flags]   an OpenAI-compatible server for the teaching engine
     labkit tiny-model PATH                  write a tiny random Llama with a real tokenizer

@@ -1,4 +1,5 @@
-"""Launch real inference engines: one config, four command lines (chapter 2.2-2.4).
+"""Launch real inference engines: one config, four command lines
+(:ref:`ch02-vllm`, :ref:`ch02-sglang`, :ref:`ch02-tensorrt-llm`).
 
 ``ServeConfig`` holds the deployment options the tutorial uses (tensor parallelism, memory
 fraction, context length, quantization, served name) with safe defaults: bind to localhost,
@@ -114,7 +115,7 @@ def sglang_command(cfg: ServeConfig) -> list[str]:
 def trtllm_kv_fraction(gpu_memory_utilization: float, gpu_memory_bytes: float,
                        weights_bytes: float, activation_bytes: float = 0.0) -> float:
     """TensorRT-LLM's ``--kv_cache_free_gpu_memory_fraction`` that gives the KV cache the bytes
-    vLLM's ``--gpu-memory-utilization`` would (chapter 2.1).
+    vLLM's ``--gpu-memory-utilization`` would (:ref:`ch02-sglang`).
 
     vLLM caps the whole instance at ``u * total``: the KV cache gets ``u*T - W - A`` (weights,
     activation peak). TensorRT-LLM measures what is free after loading the weights and a
@@ -205,7 +206,8 @@ COMMANDS = {"vllm": vllm_command, "sglang": sglang_command, "trtllm": trtllm_com
 
 
 def command_for(engine: str, cfg: ServeConfig) -> list[str]:
-    """The command line that serves ``cfg`` with ``engine``, a name in :data:`COMMANDS` (2.2)."""
+    """The command line that serves ``cfg`` with ``engine``, a name in :data:`COMMANDS`
+    (:ref:`ch02-vllm`)."""
     if engine not in COMMANDS:
         raise ValueError(f"engine must be one of {tuple(COMMANDS)}, got {engine!r}")
     return COMMANDS[engine](cfg)
@@ -492,7 +494,7 @@ def served_model_spec(cfg: ServeConfig):
 @dataclass(frozen=True)
 class KVCacheReport:
     """A KV-cache size in vLLM's terms, as an engine reported it or as chapter 1's rule
-    predicts it (chapter 1.3): tokens, and how many ``max_model_len`` requests fit."""
+    predicts it: tokens, and how many ``max_model_len`` requests fit."""
 
     tokens: int
     max_concurrency: float
@@ -593,7 +595,8 @@ async def benchmark_variants(requests: Sequence, variants: Mapping[str, Mapping]
                              wanted: str = "vllm", *, baseline: tuple[str, str] | None = None,
                              path: LabPath | None = None, warmup_requests: int = 2,
                              **bench_kwargs) -> dict:
-    """Benchmark the same ``requests`` on one server per variant (chapters 2.5 and 3).
+    """Benchmark the same ``requests`` on one server per variant (:ref:`ch02-benchmarking` and
+    chapter 3).
 
     ``variants`` maps a name to :func:`start_lab_server` options (``{"extra_args":
     ["--no-enable-prefix-caching"]}``, ``{"max_num_seqs": 1}``, ...); each server is started,
@@ -625,9 +628,9 @@ async def benchmark_variants(requests: Sequence, variants: Mapping[str, Mapping]
 
 def decode_step_s(base_url: str, model: str, num_tokens: int = 64, repeats: int = 5,
                   prompt: str = "Tensor parallelism splits") -> float:
-    """Seconds per decode step of one sequence, timed from outside (chapter 3.4): the median
-    time of a request for ``num_tokens + 1`` tokens less that of a request for one, divided
-    by ``num_tokens``. Requests are not streamed, so nothing depends on how the server
+    """Seconds per decode step of one sequence, timed from outside (:ref:`ch03-tensor-parallelism`):
+    the median time of a request for ``num_tokens + 1`` tokens less that of a request for one,
+    divided by ``num_tokens``. Requests are not streamed, so nothing depends on how the server
     groups its stream chunks."""
     positive_int("num_tokens", num_tokens)
     positive_int("repeats", repeats)
@@ -651,8 +654,8 @@ def decode_step_s(base_url: str, model: str, num_tokens: int = 64, repeats: int 
 def multi_node_commands(cfg: ServeConfig, pipeline_parallel_size: int,
                         head_address: str = "HEAD_IP",
                         ray_port: int = 6379) -> dict[str, list[str]]:
-    """vLLM across nodes (chapter 3.4): a Ray cluster, then ``vllm serve`` on the head node
-    with tensor parallelism inside each node (``cfg.tensor_parallel_size``) and pipeline
+    """vLLM across nodes (:ref:`ch03-tensor-parallelism`): a Ray cluster, then ``vllm serve`` on the
+    head node with tensor parallelism inside each node (``cfg.tensor_parallel_size``) and pipeline
     parallelism across ``pipeline_parallel_size`` nodes."""
     positive_int("pipeline_parallel_size", pipeline_parallel_size)
     serve = replace(cfg, extra_args=(*cfg.extra_args,
@@ -681,8 +684,8 @@ def max_tensor_parallel_size(path: LabPath | None = None) -> int:
 
 @dataclass(frozen=True)
 class TensorParallelRun:
-    """What one vLLM server of ``tensor_parallel_size`` ranks did (chapter 3.4): its greedy
-    completions, its decode step time, its KV-cache line and its ranks' log lines."""
+    """What one vLLM server of ``tensor_parallel_size`` ranks did (:ref:`ch03-tensor-parallelism`):
+    its greedy completions, its decode step time, its KV-cache line and its ranks' log lines."""
 
     tensor_parallel_size: int
     texts: tuple[str, ...]

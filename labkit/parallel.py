@@ -1,4 +1,4 @@
-"""Tensor parallelism over simulated ranks, in NumPy (chapter 3.4).
+"""Tensor parallelism over simulated ranks, in NumPy (:ref:`ch03-tensor-parallelism`).
 
 Each "rank" is a slice of the weights; collectives are functions over the ranks' arrays. The
 Megatron recipe needs one all-reduce per block half: the first linear layer of the MLP (or the
@@ -126,7 +126,8 @@ def attention_heads(x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarra
 def ring_all_reduce_bytes(num_bytes: float, tp: int) -> float:
     """Bytes each rank sends (and receives) in a ring all-reduce of ``num_bytes`` per rank:
     ``2 (p-1)`` steps (reduce-scatter, then all-gather) each moving ``num_bytes / p``, so
-    ``2 (p-1) / p`` times the buffer, nearly twice it on many ranks (chapter 3.4)."""
+    ``2 (p-1) / p`` times the buffer, nearly twice it on many ranks
+    (:ref:`ch03-tensor-parallelism`)."""
     positive_int("tp", tp)
     in_range("num_bytes", num_bytes, 0)
     return 2 * (tp - 1) * num_bytes / tp
@@ -159,7 +160,7 @@ ALLREDUCES_PER_LAYER = 2
 
 def allreduce_bytes(model: ModelSpec | str, num_tokens: int, act_bytes: int = 2) -> int:
     """Bytes of one all-reduce in a decoder layer: ``num_tokens`` rows of the hidden state
-    (chapter 3.4)."""
+    (:ref:`ch03-tensor-parallelism`)."""
     return num_tokens * get_model(model).hidden_size * act_bytes
 
 

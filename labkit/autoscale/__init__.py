@@ -1,4 +1,5 @@
-"""Chapter 5: autoscaling an inference fleet.
+"""Autoscaling an inference fleet (chapter 5: :ref:`ch05-autoscaling-signal`,
+:ref:`ch05-hpa-kpa-keda`).
 
 - policies on an injected clock, one module each: :mod:`~labkit.autoscale.tutorial` (the
   tutorial's thresholds, as written and fixed), :mod:`~labkit.autoscale.hpa` (Kubernetes'

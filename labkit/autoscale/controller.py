@@ -1,5 +1,5 @@
 """A real autoscaler: ``labkit serve`` processes behind a gateway, scaled on their metrics
-(chapter 5).
+(:ref:`ch05-hpa-kpa-keda`).
 
 On Kubernetes, three controllers share the work that :class:`ProcessAutoscaler` does on one
 machine:

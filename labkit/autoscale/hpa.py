@@ -1,6 +1,6 @@
-"""Kubernetes' Horizontal Pod Autoscaler (``autoscaling/v2``) on an injected clock (chapter 5):
-ratio, tolerance, missing metrics, stabilization windows and rate policies, as its controller
-computes them."""
+"""Kubernetes' Horizontal Pod Autoscaler (``autoscaling/v2``) on an injected clock
+(:ref:`ch05-hpa-kpa-keda`): ratio, tolerance, missing metrics, stabilization windows and rate
+policies, as its controller computes them."""
 
 from __future__ import annotations
 

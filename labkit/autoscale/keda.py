@@ -1,5 +1,5 @@
-"""A KEDA ScaledObject on an injected clock (chapter 5): activation decides 0 <-> 1, the HPA
-it creates decides 1..N."""
+"""A KEDA ScaledObject on an injected clock (:ref:`ch05-hpa-kpa-keda`): activation decides 0 <-> 1,
+the HPA it creates decides 1..N."""
 
 from __future__ import annotations
 

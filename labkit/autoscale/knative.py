@@ -1,5 +1,5 @@
-"""Knative's Pod Autoscaler (KPA) on an injected clock (chapter 5): stable and panic windows,
-scale rates, scale to zero after a grace period."""
+"""Knative's Pod Autoscaler (KPA) on an injected clock (:ref:`ch05-hpa-kpa-keda`): stable and panic
+windows, scale rates, scale to zero after a grace period."""
 
 from __future__ import annotations
 

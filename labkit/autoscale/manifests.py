@@ -1,4 +1,5 @@
-"""The production path: Kubernetes manifests that scale vLLM on its queue (chapter 5).
+"""The production path: Kubernetes manifests that scale vLLM on its queue
+(:ref:`ch05-hpa-kpa-keda`).
 
 Two ways to scale a vLLM Deployment on ``vllm:num_requests_waiting``, generated as dicts,
 dumped as YAML and validated offline:

@@ -1,4 +1,5 @@
-"""What an autoscaling policy sees, and the interface every policy has (chapter 5).
+"""What an autoscaling policy sees, and the interface every policy has
+(:ref:`ch05-autoscaling-signal`).
 
 Every policy answers one question, ``decide(observation, now) -> replicas``: given what the
 fleet looks like at time ``now`` (seconds, any origin), how many replicas should there be?

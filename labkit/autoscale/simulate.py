@@ -1,4 +1,5 @@
-"""Autoscaling, simulated: a fleet of chapter 3's simulated servers under a policy (chapter 5).
+"""Autoscaling, simulated: a fleet of chapter 3's simulated servers under a policy
+(:ref:`ch05-hpa-kpa-keda`).
 
 Each replica is a vLLM-style engine from chapter 3: a :class:`~labkit.scheduling.Scheduler`
 over a :class:`~labkit.kvcache.KVCacheManager` sized by

@@ -1,4 +1,4 @@
-"""The tutorial's autoscaler, as written and fixed (chapter 5).
+"""The tutorial's autoscaler, as written and fixed (:ref:`ch05-tutorial-wrong`).
 
 :class:`TutorialAutoScaler` keeps the tutorial's thresholds and its clock: its cooldown and
 its history read the wall clock while its demo stamps samples with synthetic times, which

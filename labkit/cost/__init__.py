@@ -1,16 +1,20 @@
 """The cost of inference (chapters 6 and 7): every number from a price table or a measurement.
 
-- :mod:`~labkit.cost.prices`: sourced, dated $/GPU-hour and API price cards, as parameters;
+- :mod:`~labkit.cost.prices`: sourced, dated $/GPU-hour and API price cards, as parameters
+  (:ref:`ch06-token-cost`);
 - :mod:`~labkit.cost.capacity`: the most traffic a deployment serves inside a latency SLO,
-  searched with chapter 3's simulator;
-- :mod:`~labkit.cost.tokens`: $ per 1M input and output tokens from that throughput;
+  searched with chapter 3's simulator (:ref:`ch06-throughput-slo`);
+- :mod:`~labkit.cost.tokens`: $ per 1M input and output tokens from that throughput
+  (:ref:`ch06-input-output`);
 - :mod:`~labkit.cost.compare`: deployments over GPU x precision x TP, fleets fixed or
-  autoscaled (chapter 5);
+  autoscaled (chapter 5; :ref:`ch06-month-of-traffic`, :ref:`ch06-comparing`);
 - :mod:`~labkit.cost.sharing`: several models on one GPU (vLLM's memory semantics, MIG,
-  time-slicing and MPS, sleep mode, LoRA);
-- :mod:`~labkit.cost.tco`: cloud, an API or your own servers, and the guarded breakeven;
+  time-slicing and MPS, sleep mode, LoRA; :doc:`/chapters/ch06_gpu_sharing`);
+- :mod:`~labkit.cost.tco`: cloud, an API or your own servers, and the guarded breakeven
+  (:ref:`ch07-three-ways`);
   :mod:`~labkit.cost.sensitivity` (plots and a widget) is imported on its own;
-- :mod:`~labkit.cost.tutorial_ch6`: the tutorial's chapter 6 formulas, kept to be judged.
+- :mod:`~labkit.cost.tutorial_ch6`: the tutorial's chapter 6 formulas, kept to be judged
+  (:ref:`ch06-tutorial-wrong`).
 """
 
 from labkit.cost.capacity import (Deployment, LatencySLO, SLOCapacity, Workload,

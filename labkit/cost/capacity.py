@@ -1,5 +1,5 @@
 """How much traffic one replica serves within a latency SLO, from chapter 3's simulator
-(chapter 6.2).
+(:ref:`ch06-throughput-slo`).
 
 A deployment is a model on ``tensor_parallel_size`` GPUs at a weight precision, with vLLM's
 KV cache (chapter 1's :func:`~labkit.hardware.plan_kv_cache`) and scheduler defaults. Its
@@ -10,9 +10,9 @@ their targets. :func:`max_rate_at_slo` finds it by bisection on the request rate
 simulation of the same workload (same lengths and seed: only the arrival times are scaled),
 between a rate where the SLO holds and the saturation rate (everything sent at once).
 
-Steps are timed by the roofline (chapter 1.4), plus, with tensor parallelism, two ring
-all-reduces per layer over the GPU's link (chapter 3.4), not overlapped with compute. The
-roofline is an upper bound on speed: real engines reach 50-80 % of it, and add a fixed
+Steps are timed by the roofline (chapter 1), plus, with tensor parallelism, two ring
+all-reduces per layer over the GPU's link (:ref:`ch03-tensor-parallelism`), not overlapped with
+compute. The roofline is an upper bound on speed: real engines reach 50-80 % of it, and add a fixed
 overhead per step (``step_overhead_s``) that a measurement should supply.
 """
 
@@ -41,7 +41,8 @@ from labkit.units import cdiv
 
 @dataclass(frozen=True)
 class TensorParallelRooflineCost(RooflineCost):
-    """The roofline step time plus tensor parallelism's all-reduces (chapters 3.4 and 6.2).
+    """The roofline step time plus tensor parallelism's all-reduces (:ref:`ch03-tensor-parallelism`,
+    :ref:`ch06-throughput-slo`).
 
     Each decoder layer all-reduces the step's hidden states twice (after attention and after
     the MLP), a ring over the GPU's link (:func:`labkit.parallel.ring_all_reduce_s`), one
@@ -86,7 +87,7 @@ class TensorParallelRooflineCost(RooflineCost):
 
 @dataclass(frozen=True)
 class Deployment:
-    """One replica: ``model`` on ``tensor_parallel_size`` x ``gpu`` (chapter 6.2).
+    """One replica: ``model`` on ``tensor_parallel_size`` x ``gpu`` (:ref:`ch06-throughput-slo`).
 
     ``max_num_seqs`` and ``max_num_batched_tokens`` default to vLLM's for the GPU
     (:func:`~labkit.hardware.vllm_batch_defaults`), ``kv_dtype`` to vLLM's ``auto``, the KV
@@ -131,8 +132,8 @@ class Deployment:
 
     def problem(self) -> str | None:
         """Why this deployment cannot run, or None: a TP size that does not divide the heads
-        (chapter 1.3), weights or KV cache that do not fit (chapter 1.2), a precision the GPU
-        has no tensor cores for."""
+        (:ref:`ch06-comparing`), weights or KV cache that do not fit (:ref:`ch01-what-fits`), a
+        precision the GPU has no tensor cores for."""
         try:
             check_tensor_parallel(get_model(self.model), self.tensor_parallel_size)
             self.step_cost(((1, 0),))  # a GPU without FP8 tensor cores raises here
@@ -184,8 +185,8 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Workload:
-    """The requests a throughput is measured on (chapter 6.2): their lengths, how many, how
-    bursty their arrivals (gamma shape, 1 = Poisson) and the seed. Build one with
+    """The requests a throughput is measured on (:ref:`ch06-throughput-slo`): their lengths, how
+    many, how bursty their arrivals (gamma shape, 1 = Poisson) and the seed. Build one with
     :meth:`fixed` or :meth:`lognormal`."""
 
     prompt_lens: tuple[int, ...]
@@ -252,7 +253,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class LatencySLO:
-    """Targets for the 99th percentiles of TTFT and TPOT, in milliseconds (chapter 6.2)."""
+    """Targets for the 99th percentiles of TTFT and TPOT, in milliseconds
+    (:ref:`ch06-throughput-slo`)."""
 
     p99_ttft_ms: float
     p99_tpot_ms: float
@@ -281,7 +283,8 @@ class RateProbe:
 
 @dataclass(frozen=True)
 class SLOCapacity:
-    """The most a deployment serves within an SLO (chapter 6.2), and how it was found.
+    """The most a deployment serves within an SLO (:ref:`ch06-throughput-slo`), and how it
+    was found.
 
     ``max_request_rate`` is 0 when even a nearly idle replica misses the SLO.
     ``prefill_share`` is measured at that rate (see :mod:`labkit.cost.tokens`).
@@ -337,7 +340,7 @@ def _simulations(n: int) -> str:
 def max_rate_at_slo(deployment: Deployment, slo: LatencySLO, workload: Workload,
                     rel_tol: float = 0.05) -> SLOCapacity:
     """The highest request rate at which ``deployment`` meets ``slo`` on ``workload``, found
-    by bisection to within ``rel_tol`` of the bracket (chapter 6.2).
+    by bisection to within ``rel_tol`` of the bracket (:ref:`ch06-throughput-slo`).
 
     The search starts at the saturation rate (:func:`saturation_request_rate`): above it no
     SLO holds for long, however loose, and a short run would hide that. If the SLO holds
@@ -358,7 +361,8 @@ def max_rate_at_slo(deployment: Deployment, slo: LatencySLO, workload: Workload,
 
 
 def saturation_request_rate(deployment: Deployment, workload: Workload) -> float:
-    """The request rate a replica sustains when requests never stop coming (chapter 6.2).
+    """The request rate a replica sustains when requests never stop coming
+    (:ref:`ch06-throughput-slo`).
 
     Every request of a longer copy of ``workload`` (its lengths repeated, at least three times
     as many requests as the KV cache holds at once) arrives at t = 0; the rate is the number

@@ -1,4 +1,5 @@
-"""Which deployment serves a traffic profile for the least money (chapter 6.3).
+"""Which deployment serves a traffic profile for the least money
+(:ref:`ch06-month-of-traffic`, :ref:`ch06-comparing`).
 
 For every GPU x weight precision x tensor-parallel size: does it run at all (chapter 1's
 memory math, vLLM's divisibility rules, the GPU's tensor cores), how many requests per second
@@ -30,8 +31,8 @@ from labkit.cost.tokens import TokenCost, token_cost
 
 @dataclass(frozen=True)
 class TrafficProfile:
-    """What a month of traffic looks like (chapter 6.3): the mean request rate, which sets
-    the tokens sold, and the peak, which sets the replicas a fixed fleet needs."""
+    """What a month of traffic looks like (:ref:`ch06-month-of-traffic`): the mean request rate,
+    which sets the tokens sold, and the peak, which sets the replicas a fixed fleet needs."""
 
     mean_request_rate: float
     peak_request_rate: float
@@ -54,8 +55,9 @@ class TrafficProfile:
 
 def replicas_needed(peak_request_rate: float, max_request_rate_per_replica: float) -> int:
     """Replicas to serve ``peak_request_rate`` when each serves at most
-    ``max_request_rate_per_replica`` within the SLO: the ratio rounded up (chapter 6.3).
-    A replica is a whole tensor-parallel group; one cannot add a single GPU to it."""
+    ``max_request_rate_per_replica`` within the SLO: the ratio rounded up
+    (:ref:`ch06-month-of-traffic`). A replica is a whole tensor-parallel group; one cannot add a
+    single GPU to it."""
     in_range("peak_request_rate", peak_request_rate, 0)
     if not max_request_rate_per_replica > 0:
         raise ParameterError("max_request_rate_per_replica",
@@ -68,8 +70,9 @@ def replicas_needed(peak_request_rate: float, max_request_rate_per_replica: floa
 
 def monthly_cost_usd(replicas: int, gpus_per_replica: int, usd_per_gpu_hour: float,
                      hours: float = HOURS_PER_MONTH) -> float:
-    """Dollars a month for ``replicas`` replicas of ``gpus_per_replica`` GPUs (chapter 6.3).
-    Every hour is paid, busy or idle: there is no utilization factor here."""
+    """Dollars a month for ``replicas`` replicas of ``gpus_per_replica`` GPUs
+    (:ref:`ch06-month-of-traffic`). Every hour is paid, busy or idle: there is no
+    utilization factor here."""
     positive_int("replicas", replicas, at_least=0)
     positive_int("gpus_per_replica", gpus_per_replica)
     in_range("usd_per_gpu_hour", usd_per_gpu_hour, 0)
@@ -79,7 +82,7 @@ def monthly_cost_usd(replicas: int, gpus_per_replica: int, usd_per_gpu_hour: flo
 
 @dataclass(frozen=True)
 class FleetCost:
-    """A month of a traffic profile on a fleet (chapter 6.3).
+    """A month of a traffic profile on a fleet (:ref:`ch06-month-of-traffic`).
 
     ``utilization`` is the mean load over the fleet's capacity at the SLO; ``usd_per_1m_tokens``
     the month's bill over the month's tokens (input and output together), idle hours included.
@@ -95,7 +98,7 @@ class FleetCost:
 
 def fixed_fleet_cost(capacity: SLOCapacity, traffic: TrafficProfile,
                      price: GPUPrice | float) -> FleetCost:
-    """A fleet sized for the peak, paid every hour (chapter 6.3)."""
+    """A fleet sized for the peak, paid every hour (:ref:`ch06-month-of-traffic`)."""
     usd = price.usd_per_gpu_hour if isinstance(price, GPUPrice) else price
     per_replica = capacity.max_request_rate
     replicas = replicas_needed(traffic.peak_request_rate, per_replica)
@@ -110,8 +113,8 @@ def fixed_fleet_cost(capacity: SLOCapacity, traffic: TrafficProfile,
 
 @dataclass(frozen=True)
 class DeploymentOption:
-    """One row of a comparison (chapter 6.3). ``problem`` says why a deployment is out (does
-    not fit, no price, misses the SLO at any load); the other fields are then None."""
+    """One row of a comparison (:ref:`ch06-comparing`). ``problem`` says why a deployment is out
+    (does not fit, no price, misses the SLO at any load); the other fields are then None."""
 
     deployment: Deployment
     problem: str | None
@@ -128,7 +131,7 @@ def compare_deployments(model: str, slo: LatencySLO, workload: Workload,
                         pricing: str = "on_demand", provider: str | None = None,
                         prices: Sequence[GPUPrice] | None = None, rel_tol: float = 0.05,
                         **deployment_options) -> list[DeploymentOption]:
-    """Every GPU x precision x TP size for ``model``, cheapest month first (chapter 6.3).
+    """Every GPU x precision x TP size for ``model``, cheapest month first (:ref:`ch06-comparing`).
 
     Each runnable deployment is priced with :func:`~labkit.cost.prices.gpu_hourly_price`
     (``provider`` or the median offer, for its number of GPUs, from ``prices`` or the
@@ -214,9 +217,9 @@ class _DeploymentFleet(FleetConfig):
 
 @dataclass(frozen=True)
 class AutoscaledCost:
-    """A trace served by an autoscaled fleet, billed by the replica-hours it held (chapter
-    6.3; the simulation is chapter 5's). ``mean_replicas`` is the replica-seconds over the
-    simulated time; the month assumes every day looks like the trace."""
+    """A trace served by an autoscaled fleet, billed by the replica-hours it held
+    (:ref:`ch06-month-of-traffic`; the simulation is chapter 5's). ``mean_replicas`` is the
+    replica-seconds over the simulated time; the month assumes every day looks like the trace."""
 
     result: AutoscaleResult
     mean_replicas: float
@@ -232,7 +235,8 @@ class AutoscaledCost:
 
 def default_policy(capacity: SLOCapacity, max_replicas: int) -> HorizontalPodAutoscaler:
     """An HPA on ``vllm:num_requests_running`` with a target of the requests one replica
-    holds at its SLO rate (Little's law: rate x mean end-to-end latency) (chapter 5.6)."""
+    holds at its SLO rate (Little's law: rate x mean end-to-end latency)
+    (:ref:`ch05-hpa-kpa-keda`)."""
     summary = capacity.summary
     held = capacity.max_request_rate * summary.mean_e2el_ms / 1e3
     return HorizontalPodAutoscaler(RUNNING, max(1.0, round(held)), max_replicas=max_replicas,
@@ -244,7 +248,7 @@ def autoscaled_fleet_cost(capacity: SLOCapacity, trace: Trace, price: GPUPrice |
                           initial_replicas: int = 1) -> AutoscaledCost:
     """Serve ``trace`` with replicas of ``capacity.deployment`` that ``policy`` (default:
     :func:`~labkit.cost.compare.default_policy`, up to twice the replicas the trace's peak needs)
-    scales, and bill the replica-hours (chapter 6.3).
+    scales, and bill the replica-hours (:ref:`ch06-month-of-traffic`).
 
     The trace's lengths should be the workload's: the SLO rate was found on those.
     TTFT SLO attainment is reported because scaling on a signal costs latency while new

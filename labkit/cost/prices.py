@@ -1,4 +1,4 @@
-"""What GPUs and APIs cost, from dated, sourced price tables (chapter 6.1).
+"""What GPUs and APIs cost, from dated, sourced price tables (:ref:`ch06-token-cost`).
 
 Two tables live in ``labkit/data/``, one row per offer, each with the page it was read from
 (``source``) and the day the price held (``as_of``, ``YYYY-MM-DD``, or ``YYYY-MM`` when the
@@ -54,7 +54,7 @@ def _check_source(source: str, as_of: str) -> None:
 
 @dataclass(frozen=True)
 class GPUPrice:
-    """One offer for one GPU (chapter 6.1): ``usd_per_gpu_hour`` for each GPU rented.
+    """One offer for one GPU (:ref:`ch06-token-cost`): ``usd_per_gpu_hour`` for each GPU rented.
 
     ``gpu`` is a name of the chapter 1 table (``labkit/data/gpus.csv``); an unknown name is
     refused, so a price always meets the datasheet it belongs to.
@@ -88,7 +88,8 @@ class GPUPrice:
 
 @dataclass(frozen=True)
 class APIPrice:
-    """A hosted model's price card, dollars per million tokens (chapter 6.1 and 7)."""
+    """A hosted model's price card, dollars per million tokens (:ref:`ch06-input-output` and
+    chapter 7)."""
 
     provider: str
     model: str
@@ -146,7 +147,7 @@ def _read_rows(path: str | Path | None, name: str) -> list[dict[str, str]]:
 @lru_cache(maxsize=4)
 def load_gpu_prices(path: str | Path | None = None) -> tuple[GPUPrice, ...]:
     """The GPU price table, ``labkit/data/gpu_prices.csv`` or a CSV of the same columns
-    (chapter 6.1)."""
+    (:ref:`ch06-token-cost`)."""
     return tuple(GPUPrice(gpu=r["gpu"], provider=r["provider"], pricing=r["pricing"],
                           usd_per_gpu_hour=float(r["usd_per_gpu_hour"]),
                           min_gpus=int(r["min_gpus"]), product=r["product"],
@@ -157,7 +158,7 @@ def load_gpu_prices(path: str | Path | None = None) -> tuple[GPUPrice, ...]:
 @lru_cache(maxsize=4)
 def load_api_prices(path: str | Path | None = None) -> tuple[APIPrice, ...]:
     """The API price cards, ``labkit/data/api_prices.csv`` or a CSV of the same columns
-    (chapter 6.1)."""
+    (:ref:`ch06-input-output`)."""
     return tuple(APIPrice(provider=r["provider"], model=r["model"],
                           usd_per_1m_input=float(r["usd_per_1m_input"]),
                           usd_per_1m_cached_input=_optional_float(r["usd_per_1m_cached_input"]),
@@ -173,8 +174,8 @@ def _same(a: str, b: str) -> bool:
 def gpu_prices(gpu: str | None = None, *, provider: str | None = None,
                pricing: str | None = None, num_gpus: int | None = None,
                table: Sequence[GPUPrice] | None = None) -> list[GPUPrice]:
-    """The rows that match, cheapest first (chapter 6.1). ``num_gpus`` keeps the offers one
-    can take for that many GPUs (``min_gpus <= num_gpus``); ``None`` filters nothing."""
+    """The rows that match, cheapest first (:ref:`ch06-token-cost`). ``num_gpus`` keeps the offers
+    one can take for that many GPUs (``min_gpus <= num_gpus``); ``None`` filters nothing."""
     rows = load_gpu_prices() if table is None else table
     name = get_gpu(gpu).name if gpu is not None else None
     if pricing is not None and pricing not in PRICING_MODELS:
@@ -192,8 +193,8 @@ def gpu_prices(gpu: str | None = None, *, provider: str | None = None,
 
 @dataclass(frozen=True)
 class PriceRange:
-    """The spread of one GPU's price under one pricing model (chapter 6.1): every matching
-    row, cheapest first."""
+    """The spread of one GPU's price under one pricing model (:ref:`ch06-token-cost`): every
+    matching row, cheapest first."""
 
     gpu: str
     pricing: str
@@ -233,7 +234,8 @@ class PriceRange:
 
 def gpu_price_range(gpu: str, pricing: str = "on_demand", *, num_gpus: int | None = None,
                     table: Sequence[GPUPrice] | None = None) -> PriceRange:
-    """Every offer for ``gpu`` under ``pricing`` (chapter 6.1); raises if there is none."""
+    """Every offer for ``gpu`` under ``pricing`` (:ref:`ch06-token-cost`); raises if there
+    is none."""
     rows = gpu_prices(gpu, pricing=pricing, num_gpus=num_gpus, table=table)
     if not rows:
         raise ParameterError("gpu", f"no {pricing} price for {get_gpu(gpu).name} in the table"
@@ -243,7 +245,7 @@ def gpu_price_range(gpu: str, pricing: str = "on_demand", *, num_gpus: int | Non
 
 def gpu_hourly_price(gpu: str, provider: str | None = None, pricing: str = "on_demand", *,
                      num_gpus: int = 1, table: Sequence[GPUPrice] | None = None) -> GPUPrice:
-    """One row to price ``num_gpus`` of ``gpu`` with (chapter 6.1).
+    """One row to price ``num_gpus`` of ``gpu`` with (:ref:`ch06-token-cost`).
 
     With a ``provider``, that provider's cheapest offer one can take for ``num_gpus`` GPUs
     (an 8-GPU instance is often cheaper per GPU, but only for 8 or more); without one, the
@@ -263,7 +265,7 @@ def gpu_hourly_price(gpu: str, provider: str | None = None, pricing: str = "on_d
 
 def api_price(provider: str, model: str,
               table: Sequence[APIPrice] | None = None) -> APIPrice:
-    """The price card of ``model`` at ``provider`` (case ignored) (chapter 6.1)."""
+    """The price card of ``model`` at ``provider`` (case ignored) (:ref:`ch06-input-output`)."""
     rows = load_api_prices() if table is None else table
     for row in rows:
         if _same(row.provider, provider) and _same(row.model, model):
@@ -275,7 +277,7 @@ def api_price(provider: str, model: str,
 def price_range_table(pricing: str = "on_demand",
                       table: Sequence[GPUPrice] | None = None) -> str:
     """A Markdown table of every GPU's price range under ``pricing``, with dates
-    (chapter 6.1), generated from the data file."""
+    (:ref:`ch06-token-cost`), generated from the data file."""
     rows = gpu_prices(pricing=pricing, table=table)
     lines = ["| GPU | cheapest | median | dearest | offers | dated |",
              "|---|---|---|---|---:|---|"]

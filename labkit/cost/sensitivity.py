@@ -1,5 +1,5 @@
 """Exploring a TCO: cost against volume, which inputs move the answer most, and a widget
-(chapters 7.2-7.3).
+(chapter 7, from :ref:`ch07-three-ways` on).
 
 A TCO has a dozen inputs, each known only to within a range: electricity from 6 to 19 cents a
 kWh across US states, PUE from 1.1 to 1.6, a server's price from one quote to another. A
@@ -27,7 +27,7 @@ from labkit.widgets import calculator
 
 def plot_cost_vs_volume(scenario: Scenario, max_tokens_month: float | None = None,
                         points: int = 600, ax=None):
-    """Monthly cost against monthly volume (chapter 7.2): the API's straight line, the
+    """Monthly cost against monthly volume (:ref:`ch07-three-ways`): the API's straight line, the
     self-hosted step function (a server more at each step) and, if the scenario has one,
     the cloud's; dotted lines mark where the cheaper option changes."""
     b = scenario.breakeven()
@@ -100,7 +100,7 @@ _SOURCED = (
 def sourced_swings(scenario: Scenario) -> list[Swing]:
     """Swings over the sourced ranges of ``labkit/data``: the TCO inputs of
     ``tco_inputs.csv``, and the server price from ``gpu_capex.csv`` when that table prices a
-    server of the scenario's GPU and size (chapter 7.3)."""
+    server of the scenario's GPU and size (chapter 7)."""
     swings = []
     for path, name, label in _SOURCED:
         low, high = input_range(name)
@@ -149,7 +149,7 @@ class TornadoBar:
 def tornado(scenario: Scenario, swings: Sequence[Swing],
             metric: str = "self_minus_api_usd") -> list[TornadoBar]:
     """Swing each input over its range, one at a time, and sort by effect, largest first
-    (chapter 7.3). Ties keep the order of ``swings``."""
+    (chapter 7). Ties keep the order of ``swings``."""
     if metric not in METRICS:
         raise ParameterError("metric", f"metric must be one of {sorted(METRICS)}, got {metric!r}")
     measure = METRICS[metric][1]
@@ -171,7 +171,7 @@ def _fmt(x: object) -> str:
 
 def plot_tornado(bars: Sequence[TornadoBar], metric: str = "self_minus_api_usd", ax=None):
     """Horizontal bars from the answer at each input's low end to its high end, the largest
-    effect on top; the base case is the vertical line (chapter 7.3). An end where the
+    effect on top; the base case is the vertical line (chapter 7). An end where the
     answer is "never" is drawn to the edge of the axes and labelled."""
     ax = ax or plt.subplots(figsize=(8, 0.5 * len(bars) + 1.2))[1]
     finite = [v for b in bars for v in (b.base, b.at_low, b.at_high) if math.isfinite(v)]
@@ -193,7 +193,7 @@ def plot_tornado(bars: Sequence[TornadoBar], metric: str = "self_minus_api_usd",
 
 def tco_report(scenario: Scenario) -> str:
     """The widget's text: the three monthly bills, the servers, the breakeven and the
-    payback, for one scenario (chapter 7.3). Plain text, so it can be tested headless."""
+    payback, for one scenario (chapter 7). Plain text, so it can be tested headless."""
     costs = scenario.costs()
     month = costs.self_hosted
     lines = [
@@ -216,7 +216,7 @@ def tco_report(scenario: Scenario) -> str:
 
 def tco_widget(scenario: Scenario, swings: Sequence[Swing] | None = None) -> widgets.VBox:
     """Sliders over the scenario's inputs and its monthly volume, and the report of
-    :func:`tco_report` updated live (chapter 7.3, lab 07).
+    :func:`tco_report` updated live (chapter 7, lab 07).
 
     One slider per numeric swing (default: :func:`sourced_swings`), spanning its range and
     the base value; the volume slider is logarithmic, from 1/100 to 100 times the base

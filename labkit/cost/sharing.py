@@ -1,20 +1,22 @@
-"""Sharing one GPU between several models (chapter 6.2): memory plans, MIG, sleep mode, LoRA.
+"""Sharing one GPU between several models (:doc:`/chapters/ch06_gpu_sharing`): memory plans, MIG,
+sleep mode, LoRA.
 
 Four ways to put more than one model on a GPU, each with its arithmetic:
 
-- **Several vLLM instances side by side.** Each instance's ``gpu_memory_utilization`` is the
-  fraction of the *whole* GPU it may use, and at startup vLLM 0.32 refuses to start unless
-  that much is free (``request_memory``, ``vllm/v1/worker/utils.py``; the message is
-  :func:`labkit.engine.device.startup_refusal`). Its budget holds its weights, the activation
-  peak of its profiling run, its CUDA graphs (profiled into the budget since vLLM 0.21) and
-  the KV cache, which takes the rest; its CUDA context is created before the snapshot and sits
+- **Several vLLM instances side by side** (:ref:`ch06-sharing-two-instances`). Each instance's
+  ``gpu_memory_utilization`` is the fraction of the *whole* GPU it may use, and at startup vLLM 0.32
+  refuses to start unless that much is free (``request_memory``, ``vllm/v1/worker/utils.py``; the
+  message is :func:`labkit.engine.device.startup_refusal`). Its budget holds its weights, the
+  activation peak of its profiling run, its CUDA graphs (profiled into the budget since vLLM 0.21)
+  and the KV cache, which takes the rest; its CUDA context is created before the snapshot and sits
   outside the budget. :func:`plan_sharing` sizes each instance from the load it must carry;
   :func:`check_fractions` tells what given fractions do. Older vLLM counted differently: 0.6.4
   documented a *global* limit (issue #10451; PR #10511 restored the per-instance meaning), and
   vLLM V1 until PR #18974 (2025) counted the memory of the instances already running against
   the next one, so the second fraction had to include the first (``cumulative_utilization``).
-- **MIG** cuts an A100, H100 or H200 into isolated instances; :func:`pack_mig` says whether a
-  set of profiles fits one GPU, with the placement rules of NVIDIA's MIG user guide.
+- **MIG** (:ref:`ch06-sharing-mig`) cuts an A100, H100 or H200 into isolated instances;
+  :func:`pack_mig` says whether a set of profiles fits one GPU, with the placement rules of NVIDIA's
+  MIG user guide.
 - **vLLM's sleep mode** keeps one model awake at a time: :func:`switch_cost` prices a switch.
 - **Multi-LoRA**: one base model, many adapters; :func:`lora_adapter_bytes` and
   :func:`lora_gpu_buffer_bytes` size them.
@@ -86,7 +88,8 @@ class SharedModel:
 
 @dataclass(frozen=True)
 class InstanceMemory:
-    """What one vLLM instance needs inside its budget, in bytes (chapter 6.2)."""
+    """What one vLLM instance needs inside its budget, in bytes
+    (:ref:`ch06-sharing-two-instances`)."""
 
     name: str
     weights_bytes: float
@@ -120,8 +123,8 @@ class InstanceMemory:
 
 def instance_memory(shared: SharedModel, gpu: GPU | str,
                     cuda_graph_gib: float = CUDA_GRAPH_GIB) -> InstanceMemory:
-    """The budget one instance needs for its load (chapter 6.2), from chapter 1's formulas:
-    weights (:func:`~labkit.hardware.weight_bytes`), the activation peak
+    """The budget one instance needs for its load (:ref:`ch06-sharing-two-instances`), from chapter
+    1's formulas: weights (:func:`~labkit.hardware.weight_bytes`), the activation peak
     (:func:`~labkit.hardware.activation_bytes`) and ``concurrency`` sequences of
     ``max_model_len`` tokens of KV cache in whole blocks."""
     gpu, model = get_gpu(gpu), get_model(shared.model)
@@ -219,7 +222,8 @@ def plan_sharing(gpu: GPU | str, models: Sequence[SharedModel], *,
                  cuda_context_gib: float = CUDA_CONTEXT_GIB,
                  cuda_graph_gib: float = CUDA_GRAPH_GIB, step: float = 0.01) -> SharingPlan:
     """``gpu_memory_utilization`` for each model so that its KV cache carries its target load,
-    and the check vLLM 0.32 makes as they start one after another (chapter 6.2).
+    and the check vLLM 0.32 makes as they start one after another
+    (:ref:`ch06-sharing-two-instances`).
 
     Each fraction is the instance's budget over the GPU's total, rounded up to ``step``. At
     its start an instance finds free what the ones before it left: the GPU less their budgets
@@ -267,7 +271,8 @@ def plan_sharing(gpu: GPU | str, models: Sequence[SharedModel], *,
 
 @dataclass(frozen=True)
 class FractionCheck:
-    """What vLLM 0.32 does with one instance's ``gpu_memory_utilization`` (chapter 6.2)."""
+    """What vLLM 0.32 does with one instance's ``gpu_memory_utilization``
+    (:ref:`ch06-sharing-two-instances`)."""
 
     name: str
     gpu_memory_utilization: float
@@ -329,7 +334,8 @@ def check_fractions(gpu: GPU | str, models: Sequence[SharedModel],
                     cuda_graph_gib: float = CUDA_GRAPH_GIB) -> list[FractionCheck]:
     """What vLLM 0.32 does with these fractions when the instances start in this order, one
     after another: who is refused at startup, who starts without room for its KV cache, and
-    how many sequences each carries (chapter 6.2; used to judge the tutorial's 0.95 * 0.45).
+    how many sequences each carries (:ref:`ch06-sharing-two-instances`; used to judge the
+    tutorial's 0.95 * 0.45).
 
     An instance that serves holds its whole budget and its CUDA context; one that vLLM
     refuses, at the startup check or for want of KV cache, exits and holds nothing.
@@ -456,7 +462,7 @@ class MigFit:
 
 def pack_mig(gpu: GPU | str, names: Sequence[str],
              existing: Sequence[tuple[str, int]] = ()) -> MigFit:
-    """Whether these MIG profiles fit one GPU together, and where (chapter 6.2).
+    """Whether these MIG profiles fit one GPU together, and where (:ref:`ch06-sharing-mig`).
 
     The rules of NVIDIA's MIG user guide: at most 7 compute slices and 8 memory slices;
     each profile at most its "Number of Instances Available"; and each instance starts at one
@@ -562,7 +568,8 @@ class SharingMechanism:
 
 
 def sharing_mechanisms() -> list[SharingMechanism]:
-    """Time-slicing, MPS and MIG compared, each row with its source (chapter 6.2)."""
+    """Time-slicing, MPS and MIG compared, each row with its source
+    (:ref:`ch06-sharing-timeslicing-mps`)."""
     text = resources.files("labkit.data").joinpath("gpu_sharing.csv").read_text("utf-8")
     return [SharingMechanism(**row) for row in csv.DictReader(text.splitlines())]
 
@@ -597,7 +604,7 @@ def host_link(name: str) -> HostLink:
 
 @dataclass(frozen=True)
 class SwitchCost:
-    """Seconds to put one model to sleep and wake another (chapter 6.2), at a link's peak:
+    """Seconds to put one model to sleep and wake another (chapter 6), at a link's peak:
     lower bounds. The KV cache is discarded at both levels, so the first requests after a
     wake prefill in full (no prefix cache)."""
 
@@ -613,7 +620,7 @@ class SwitchCost:
 
 def switch_cost(sleeping_weights_bytes: float, waking_weights_bytes: float, level: int,
                 link: str = "PCIe Gen5 x16", storage_gb_s: float | None = None) -> SwitchCost:
-    """Sleep one model and wake another with vLLM's sleep mode (chapter 6.2).
+    """Sleep one model and wake another with vLLM's sleep mode (chapter 6).
 
     Level 1 copies the sleeping model's weights to host memory and the waking model's back
     (bytes / the link's bandwidth per direction). Level 2 discards the weights: falling asleep
@@ -659,7 +666,7 @@ def lora_adapter_bytes(model: ModelSpec | str, rank: int,
                        target_modules: Sequence[str] = LORA_MODULES,
                        dtype_bytes: int = 2) -> int:
     """Bytes of one LoRA adapter: ``rank x (d_in + d_out)`` per target module (its A and B
-    matrices), over every layer, at ``dtype_bytes`` per weight (chapter 6.2)."""
+    matrices), over every layer, at ``dtype_bytes`` per weight (chapter 6)."""
     positive_int("rank", rank)
     positive_int("dtype_bytes", dtype_bytes)
     shapes = lora_module_shapes(model)
@@ -674,7 +681,7 @@ def lora_adapter_bytes(model: ModelSpec | str, rank: int,
 def lora_gpu_buffer_bytes(model: ModelSpec | str, max_loras: int, max_lora_rank: int,
                           target_modules: Sequence[str] = LORA_MODULES,
                           dtype_bytes: int = 2) -> int:
-    """GPU memory vLLM sets aside for adapters at startup (chapter 6.2): ``max_loras`` slots,
+    """GPU memory vLLM sets aside for adapters at startup (chapter 6): ``max_loras`` slots,
     each of ``max_lora_rank`` whatever an adapter's own rank (``create_lora_weights`` in
     ``vllm/lora/layers/base_linear.py``, vLLM 0.32, allocates ``lora_a_stacked`` and
     ``lora_b_stacked`` of that shape). Adapters beyond ``max_loras`` wait in host memory
@@ -690,8 +697,8 @@ def lora_gpu_buffer_bytes(model: ModelSpec | str, max_loras: int, max_lora_rank:
 
 
 def tutorial_models(concurrency: Mapping[str, int] | None = None) -> list[SharedModel]:
-    """The tutorial's two models as it deploys them (section 6.2): Code Llama 34B and
-    Llama 3 8B, AWQ INT4, ``max_model_len=4096``, ``enforce_eager=True``; ``concurrency``
+    """The tutorial's two models as it deploys them (:ref:`ch06-sharing-two-instances`): Code Llama
+    34B and Llama 3 8B, AWQ INT4, ``max_model_len=4096``, ``enforce_eager=True``; ``concurrency``
     sets the target load of each (``{"coder": 8, "chat": 16}``), one sequence by default."""
     concurrency = dict(concurrency or {})
     return [SharedModel("coder", "CodeLlama-34B", weight_dtype="int4-awq", max_model_len=4096,

@@ -1,4 +1,5 @@
-"""Cloud, an API, or your own GPUs: total cost of ownership and the breakeven (chapter 7).
+"""Cloud, an API, or your own GPUs: total cost of ownership and the breakeven
+(:ref:`ch07-owning`, :ref:`ch07-three-ways`).
 
 The question of chapter 7 is not "is a GPU cheaper to buy than to rent" but "what does it
 cost to serve *this* traffic" three ways:
@@ -97,7 +98,7 @@ def _read_csv(name: str) -> list[dict[str, str]]:
 
 @lru_cache(maxsize=1)
 def capex_rows() -> tuple[CapexRow, ...]:
-    """Every row of ``labkit/data/gpu_capex.csv`` (chapter 7.1), in table order."""
+    """Every row of ``labkit/data/gpu_capex.csv`` (:ref:`ch07-owning`), in table order."""
     return tuple(CapexRow(item=r["item"], gpu=r["gpu"], gpus=int(r["gpus"]),
                           condition=r["condition"], price_low_usd=float(r["price_low_usd"]),
                           price_high_usd=float(r["price_high_usd"]), basis=r["basis"],
@@ -107,7 +108,7 @@ def capex_rows() -> tuple[CapexRow, ...]:
 
 @lru_cache(maxsize=1)
 def input_rows() -> tuple[InputRow, ...]:
-    """Every row of ``labkit/data/tco_inputs.csv`` (chapter 7.1), in table order."""
+    """Every row of ``labkit/data/tco_inputs.csv`` (:ref:`ch07-owning`), in table order."""
     return tuple(InputRow(input=r["input"], value=float(r["value"]), unit=r["unit"],
                           what=r["what"], source=r["source"], as_of=r["as_of"],
                           notes=r["notes"])
@@ -115,7 +116,7 @@ def input_rows() -> tuple[InputRow, ...]:
 
 
 def input_range(name: str) -> tuple[InputRow, InputRow]:
-    """The lowest and highest sourced values of one input, e.g. ``"pue"`` (chapter 7.3).
+    """The lowest and highest sourced values of one input, e.g. ``"pue"`` (chapter 7).
 
     The sensitivity analysis swings each input between these two rows.
     """
@@ -152,7 +153,7 @@ def capex_for(gpu: str, gpus: int | None = None, condition: str = "new") -> list
 
 @dataclass(frozen=True)
 class TokenMix:
-    """A month of traffic as three disjoint token counts (chapter 7.2).
+    """A month of traffic as three disjoint token counts (:ref:`ch07-three-ways`).
 
     ``input_tokens`` are prompt tokens billed at the full input price, ``cached_input_tokens``
     the prompt tokens a provider serves from its prompt cache (billed at the cached price),
@@ -183,7 +184,8 @@ class TokenMix:
 
 @dataclass(frozen=True)
 class ApiPrices:
-    """An API's price card in US dollars per 1M tokens (chapter 7.2), with where it came from."""
+    """An API's price card in US dollars per 1M tokens (:ref:`ch07-three-ways`), with where it
+    came from."""
 
     input_usd_1m: float
     cached_input_usd_1m: float
@@ -226,8 +228,8 @@ def api_prices_from(card: object) -> ApiPrices:
 class ReplicaCapacity:
     """What one replica sustains, in output tokens per second on this traffic's mix within
     the latency targets, on ``gpus`` GPUs (its tensor-parallel size), and where that number
-    came from: a simulation or a benchmark in the same run, never a typed table. Chapter 7.2
-    sizes the fleet with it."""
+    came from: a simulation or a benchmark in the same run, never a typed table.
+    :ref:`ch07-three-ways` sizes the fleet with it."""
 
     output_tok_s: float
     gpus: int
@@ -265,7 +267,7 @@ def replica_capacity(throughput: object, provenance: str | None = None, *,
 
 @dataclass(frozen=True)
 class SelfHostedMonth:
-    """One month of owning ``servers`` servers, by cost line (US dollars, chapter 7.1)."""
+    """One month of owning ``servers`` servers, by cost line (US dollars, :ref:`ch07-owning`)."""
 
     servers: int
     gpus: int
@@ -289,7 +291,7 @@ class SelfHostedMonth:
 
 @dataclass(frozen=True)
 class SelfHosted:
-    """The cost inputs of a self-hosted deployment (chapter 7.1). All prices are parameters.
+    """The cost inputs of a self-hosted deployment (:ref:`ch07-owning`). All prices are parameters.
 
     - ``capex_per_server_usd``: price of one server with ``gpus_per_server`` GPUs, depreciated
       straight-line over ``depreciation_years`` down to ``salvage_fraction`` of its price;
@@ -338,7 +340,7 @@ class SelfHosted:
         return self.tdp_w if self.tdp_w is not None else get_gpu(self.gpu).tdp_w
 
     def month(self, servers: int) -> SelfHostedMonth:
-        """The cost lines of one month with ``servers`` servers running (chapter 7.1)."""
+        """The cost lines of one month with ``servers`` servers running (:ref:`ch07-owning`)."""
         positive_int("servers", servers, at_least=0)
         gpus = servers * self.gpus_per_server
         capex = servers * self.capex_per_server_usd
@@ -366,7 +368,7 @@ class SelfHosted:
 
 @dataclass(frozen=True)
 class Cloud:
-    """Rented GPUs (chapter 7.2): ``usd_gpu_hour`` for every hour an instance runs.
+    """Rented GPUs (:ref:`ch07-three-ways`): ``usd_gpu_hour`` for every hour an instance runs.
 
     ``billed_fraction`` is the share of the month the instances are up. Reserved capacity, or
     on-demand instances that are never shut down, bill 100 % of the hours however little
@@ -409,7 +411,7 @@ def _ceil(x: float) -> int:
 
 @dataclass(frozen=True)
 class MonthlyCosts:
-    """The three monthly bills for one traffic level (US dollars, chapter 7.2)."""
+    """The three monthly bills for one traffic level (US dollars, :ref:`ch07-three-ways`)."""
 
     traffic: TokenMix
     gpus_needed: int
@@ -430,8 +432,8 @@ class MonthlyCosts:
 
 @dataclass(frozen=True)
 class Crossing:
-    """A volume where the cheaper option changes (chapter 7.2): ``cheaper`` is the option that
-    wins just above ``tokens_month`` (``"self-hosted"`` or ``"api"``), ``servers`` the servers
+    """A volume where the cheaper option changes (:ref:`ch07-three-ways`): ``cheaper`` is the option
+    that wins just above ``tokens_month`` (``"self-hosted"`` or ``"api"``), ``servers`` the servers
     the self-hosted side runs there."""
 
     tokens_month: float
@@ -441,7 +443,8 @@ class Crossing:
 
 @dataclass(frozen=True)
 class Breakeven:
-    """Where self-hosting becomes cheaper than the API for the same traffic (chapter 7.2).
+    """Where self-hosting becomes cheaper than the API for the same traffic
+    (:ref:`ch07-three-ways`).
 
     ``never`` is True when no volume makes self-hosting strictly cheaper, and ``reason`` says
     why. Otherwise ``first_tokens_month`` is the smallest monthly volume (all tokens of the
@@ -477,7 +480,8 @@ class Breakeven:
 
 @dataclass(frozen=True)
 class Payback:
-    """Months until buying the servers pays for itself against an alternative (chapter 7.2).
+    """Months until buying the servers pays for itself against an alternative
+    (:ref:`ch07-three-ways`).
 
     ``months`` is ``capex_usd / saving_usd_month``, where the saving is the alternative's
     monthly bill minus the self-hosted *running* cost (power, colocation, staff: the servers
@@ -502,7 +506,7 @@ class Payback:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One traffic, three ways to serve it (chapter 7.2).
+    """One traffic, three ways to serve it (:ref:`ch07-three-ways`).
 
     ``capacity`` sizes the fleet in replicas of ``capacity.gpus`` GPUs each; a replica stays
     inside one server. ``peak_to_average`` (>= 1) is how much more than the monthly average
@@ -530,7 +534,7 @@ class Scenario:
 
     def with_value(self, path: str, value: object) -> Scenario:
         """A copy with one input changed: ``"hardware.pue"``, ``"api.output_usd_1m"``,
-        ``"peak_to_average"``... (the sensitivity analysis of chapter 7.3 uses this)."""
+        ``"peak_to_average"``... (chapter 7's sensitivity analysis uses this)."""
         head, _, rest = path.partition(".")
         if not any(f.name == head for f in dataclasses.fields(self)):
             raise ParameterError("path", f"path must start with a Scenario field, got {path!r}")
@@ -594,7 +598,8 @@ class Scenario:
                             cloud_usd=None if self.cloud is None else self.cloud.monthly_usd(gpus))
 
     def breakeven(self, max_listed: int = 10) -> Breakeven:
-        """The monthly volume where self-hosting becomes cheaper than the API (chapter 7.2).
+        """The monthly volume where self-hosting becomes cheaper than the API
+        (:ref:`ch07-three-ways`).
 
         On the step function: with ``k`` servers the self-hosted cost is ``F + k c`` (fixed
         staff ``F``, per-server ``c``) for every volume from ``(k-1) Q`` to ``k Q`` (``Q``, a
@@ -651,7 +656,7 @@ class Scenario:
     def payback(self, against: str = "api") -> Payback:
         """Months for the servers this traffic needs to pay for themselves against the API
         (``against="api"``) or renting the same GPUs (``"cloud"``): the tutorial's question,
-        asked at the same traffic and guarded (chapter 7.2)."""
+        asked at the same traffic and guarded (:ref:`ch07-three-ways`)."""
         costs = self.costs()
         if against == "api":
             alternative = costs.api_usd
@@ -700,7 +705,8 @@ class TutorialEstimate:
 def tutorial_compare_cloud_vs_selfhost(num_gpus: int = 8, gpu_type: str = "H100-SXM",
                                        monthly_utilization: float = 0.7,
                                        months: int = 24) -> TutorialEstimate:
-    """The tutorial's chapter 7.2 cost comparison, formula for formula, its constants included.
+    """The tutorial's cost comparison (:ref:`ch07-tutorial-wrong`), formula for formula, its
+    constants included.
 
     Kept only so that the chapter and the lab can compute what it gets wrong: the cloud bill
     scaled by utilization, a flat $150 of power per GPU, no depreciation, one price per GPU

@@ -1,4 +1,5 @@
-"""Dollars per million tokens from a throughput someone measured or simulated (chapter 6.1).
+"""Dollars per million tokens from a throughput someone measured or simulated
+(:ref:`ch06-token-cost`, :ref:`ch06-input-output`).
 
 The price of a token is the GPU time it takes. One replica of a deployment holds
 ``num_gpus`` GPUs at ``usd_per_gpu_hour`` each, whether it is busy or not, and sustains a
@@ -38,7 +39,7 @@ from labkit.simulate import BenchmarkResult, SimulationResult, StepCostModel
 
 @dataclass(frozen=True)
 class Throughput:
-    """What one replica sustains, and where that number came from (chapter 6.1).
+    """What one replica sustains, and where that number came from (:ref:`ch06-throughput-slo`).
 
     ``input_tok_s`` and ``output_tok_s`` are prompt and generated tokens per second;
     ``prefill_share`` is the share of the replica's busy GPU time spent on prefill;
@@ -70,7 +71,7 @@ class Throughput:
 
 @dataclass(frozen=True)
 class TokenCost:
-    """Dollars per million tokens for one replica at a utilization (chapter 6.1)."""
+    """Dollars per million tokens for one replica at a utilization (:ref:`ch06-token-cost`)."""
 
     usd_per_1m_input: float
     usd_per_1m_output: float
@@ -94,7 +95,7 @@ class TokenCost:
 
 def token_cost(throughput: Throughput, price: GPUPrice | float,
                utilization: float = 1.0) -> TokenCost:
-    """$ per 1M input, output and blended tokens (chapter 6.1).
+    """$ per 1M input, output and blended tokens (:ref:`ch06-input-output`).
 
     ``price`` is a row of the price table or a number (dollars per GPU-hour, your own quote).
     ``utilization`` in (0, 1] is the share of the paid hours spent serving at
@@ -121,7 +122,7 @@ def prefill_only_time_s(prompt_lens: Sequence[int], step_cost: StepCostModel,
                         max_num_batched_tokens: int) -> float:
     """Seconds the prompts alone take on ``step_cost``, prefilled in steps of at most
     ``max_num_batched_tokens`` tokens, in order, a prompt split across steps where it does
-    not fit (chunked prefill) (chapter 6.1)."""
+    not fit (chunked prefill) (:ref:`ch06-input-output`)."""
     positive_int("max_num_batched_tokens", max_num_batched_tokens)
     total, rows, room = 0.0, [], max_num_batched_tokens
     for prompt_len in prompt_lens:
@@ -143,7 +144,8 @@ def busy_time_s(result: SimulationResult) -> float:
 
 
 def prefill_share(prefill_s: float, busy_s: float) -> float:
-    """Share of the busy time that goes to prefill: ``prefill_s / busy_s`` (chapter 6.1).
+    """Share of the busy time that goes to prefill: ``prefill_s / busy_s``
+    (:ref:`ch06-input-output`).
 
     The prompts alone should take no longer than the run they are part of (a step shared
     with decodes reads the weights once for both); a ratio above 1 means the two times do
@@ -159,7 +161,8 @@ def prefill_share(prefill_s: float, busy_s: float) -> float:
 
 def throughput_from_benchmark(result: BenchmarkResult, *, num_gpus: int,
                               prefill_tok_s: float, description: str) -> Throughput:
-    """The throughput a ``labkit.bench`` run measured, as :class:`Throughput` (chapter 6.1).
+    """The throughput a ``labkit.bench`` run measured, as :class:`Throughput`
+    (:ref:`ch06-throughput-slo`).
 
     ``prefill_tok_s`` is the server's prefill rate, measured by a second run whose requests
     ask for one output token each (``total_input_tokens / duration_s`` of that run): the

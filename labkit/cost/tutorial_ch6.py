@@ -1,4 +1,5 @@
-"""The tutorial's cost calculator of chapter 6.1, as written, to hold our numbers against.
+"""The tutorial's cost calculator (its chapter 6), as written, to hold our numbers against
+(:ref:`ch06-tutorial-wrong`).
 
 Its ``InferenceCostCalculator`` prices GPUs from a table typed into the code and tokens from
 a second typed table of throughputs, then sizes deployments with ``params / 13``. Each

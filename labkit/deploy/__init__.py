@@ -1,4 +1,4 @@
-"""Deployment (chapter 8): one :class:`DeploymentSpec`, rendered for every target.
+"""Deployment (:ref:`ch08-one-spec`): one :class:`DeploymentSpec`, rendered for every target.
 
 - :mod:`labkit.deploy.spec`: the spec, its checks and the probe arithmetic;
 - :mod:`labkit.deploy.render`: the ``vllm serve`` command (chapter 2's launcher), the start

@@ -1,5 +1,5 @@
 """Values for vLLM production-stack's Helm chart from a
-:class:`~labkit.deploy.spec.DeploymentSpec` (chapter 8).
+:class:`~labkit.deploy.spec.DeploymentSpec` (:ref:`ch08-one-spec`).
 
 The chart (vllm-project/production-stack, helm/, chart version 0.1.12) renders the engine
 Deployment from ``servingEngineSpec.modelSpec[]`` with its own template

@@ -1,4 +1,5 @@
-"""A KServe InferenceService for a :class:`~labkit.deploy.spec.DeploymentSpec` (chapter 8).
+"""A KServe InferenceService for a :class:`~labkit.deploy.spec.DeploymentSpec`
+(:ref:`ch08-one-spec`).
 
 KServe (``serving.kserve.io/v1beta1``) runs a predictor and gives it autoscaling, revisions
 and canary rollouts. Its Hugging Face runtime would build its own vLLM command line from

@@ -1,4 +1,4 @@
-"""Kubernetes manifests for a :class:`~labkit.deploy.spec.DeploymentSpec` (chapter 8).
+"""Kubernetes manifests for a :class:`~labkit.deploy.spec.DeploymentSpec` (:ref:`ch08-one-spec`).
 
 :func:`kubernetes_manifests` returns plain dicts: a Deployment whose container runs
 :func:`labkit.deploy.render.vllm_serve_command` with startup, readiness and liveness probes on

@@ -1,4 +1,4 @@
-"""The local targets of a :class:`~labkit.deploy.spec.DeploymentSpec` (chapter 8): the
+"""The local targets of a :class:`~labkit.deploy.spec.DeploymentSpec` (:ref:`ch08-one-spec`): the
 ``vllm serve`` command, a start script, a systemd unit and a ``docker run`` line.
 
 The command is chapter 2's :func:`labkit.launch.vllm_command`; every other target wraps that

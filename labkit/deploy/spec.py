@@ -1,4 +1,5 @@
-"""One deployment of one model, described once (chapter 8): :class:`DeploymentSpec`.
+"""One deployment of one model, described once (:ref:`ch08-one-spec`; its probes:
+:ref:`ch08-health-checks`): :class:`DeploymentSpec`.
 
 Every target in :mod:`labkit.deploy` (the ``vllm serve`` command, a start script, a systemd
 unit, a ``docker run`` line, Kubernetes manifests, production-stack Helm values, a KServe

@@ -1,4 +1,4 @@
-"""Every deployment target checked by the tool that consumes it (chapter 8).
+"""Every deployment target checked by the tool that consumes it (:ref:`ch08-one-spec`).
 
 - Kubernetes manifests: ``kubernetes-validate`` against the Kubernetes 1.37 schema, offline
   and strict (an unknown field is an error, as with ``kubectl apply --validate=strict``),

@@ -1,4 +1,5 @@
-"""Chapter 2.1: labkit's teaching inference engine, with vLLM's offline API.
+"""labkit's teaching inference engine (:doc:`chapter 2 </chapters/ch02_engines>`), with vLLM's
+offline API (:ref:`ch02-offline-api`).
 
 A real, small engine in NumPy: a Llama-family model that loads a Hugging Face directory,
 attention over :mod:`labkit.kvcache`'s paged cache, continuous batching and prefix caching

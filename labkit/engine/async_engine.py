@@ -1,4 +1,5 @@
-"""Run the engine loop in a background thread and stream its outputs to asyncio (ch. 2.2).
+"""Run the engine loop in a background thread and stream its outputs to asyncio
+(:ref:`ch02-streaming`).
 
 The HTTP server is asynchronous; the engine is a plain loop of ``step()`` calls. One thread
 owns the engine: it takes new requests and aborts from a queue, steps while there is work,
@@ -11,10 +12,10 @@ KV blocks. If ``step()`` itself raises, the engine is broken, not the request: l
 ``EngineDeadError``, every open stream ends with the error, ``errored`` turns true (the
 server's ``/health`` answers 503) and new requests are refused at once.
 
-Sleep and wake (chapter 6.2) run on the same thread, between two steps, like any request: the
-requests a sleep aborts end their streams with ``finish_reason="abort"``, and requests that
-arrive while asleep wait in the queue until the engine wakes (vLLM 0.32's paused scheduler
-keeps them the same way).
+Sleep and wake (:doc:`/chapters/ch06_gpu_sharing`) run on the same thread, between two steps, like
+any request: the requests a sleep aborts end their streams with ``finish_reason="abort"``, and
+requests that arrive while asleep wait in the queue until the engine wakes (vLLM 0.32's paused
+scheduler keeps them the same way).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Regex-constrained decoding: SGLang's ``regex=`` and vLLM's structured outputs (chapter 2.3).
+"""Regex-constrained decoding: SGLang's ``regex=`` and vLLM's structured outputs
+(:ref:`ch02-sglang-frontend`).
 
 Before each token is sampled, every token of the vocabulary whose text would take the output
 outside the language of the pattern is masked to probability zero: the output so far plus the

@@ -1,4 +1,5 @@
-"""Dequantize quantized checkpoints on load (chapter 4.5): llm-compressor's and AutoAWQ's.
+"""Dequantize quantized checkpoints on load (:ref:`ch04-choosing`): llm-compressor's and
+AutoAWQ's.
 
 llm-compressor writes compressed-tensors checkpoints, in three formats:
 

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings, as vLLM's output processor does it (ch. 2.2).
+"""Incremental detokenization with stop strings, as vLLM's output processor does it
+(:doc:`chapter 2 </chapters/ch02_engines>`).
 
 Decoding the whole output again after every token costs time that grows with the output, and
 it streams garbage: a character whose UTF-8 bytes span two tokens decodes to U+FFFD until its

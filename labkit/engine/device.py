@@ -1,4 +1,5 @@
-"""A simulated GPU that several processes share: its memory as a ledger on disk (chapter 6.2).
+"""A simulated GPU that several processes share: its memory as a ledger on disk
+(:ref:`ch06-sharing-two-instances`).
 
 A real GPU's memory is one pool for every process that opens the device: what one server
 holds, the next one sees as used (``cudaMemGetInfo``). The teaching engine has no GPU, so

@@ -1,20 +1,21 @@
-"""The teaching engine: scheduler, paged KV cache, model and sampler in one loop (ch. 2.1).
+"""The teaching engine: scheduler, paged KV cache, model and sampler in one loop
+(:doc:`chapter 2 </chapters/ch02_engines>`).
 
 ``LLMEngine.step()`` is one iteration of a serving engine: ask the scheduler
 (:class:`labkit.scheduling.Scheduler`) for a batch and the block table of every request in
 it, run the model, sample a token for every sequence whose known tokens are all computed,
 and let each request's ``check_stop`` decide whether it is done. ``LLM`` wraps it in vLLM's
-offline API. The KV cache is sized the way vLLM sizes it (chapter 1.3), on a simulated
-device of ``device_memory_gib``.
+offline API (:ref:`ch02-offline-api`). The KV cache is sized the way vLLM sizes it (chapter 1), on a
+simulated device of ``device_memory_gib``.
 
 Requests enter in two halves so that a server can keep its engine loop busy only with
 stepping: :meth:`~labkit.engine.LLMEngine.process_inputs` validates and tokenizes (any thread;
 every problem is a :class:`~labkit.checks.ParameterError` naming the field) and
 :meth:`~labkit.engine.LLMEngine.add_processed` queues the result (the engine's thread; cannot fail
 on input). ``n > 1`` choices share the prompt's KV blocks: the first choice prefills, the
-others fork from it (chapter 3.1) and sample their first token from the same logits.
+others fork from it (:ref:`ch03-paged-attention`) and sample their first token from the same logits.
 
-Sharing a device (chapter 6.2): with ``device_id`` the simulated device is a
+Sharing a device (:ref:`ch06-sharing-two-instances`): with ``device_id`` the simulated device is a
 :class:`~labkit.engine.device.SimulatedDevice` that other processes share, and the engine
 starts only if ``gpu_memory_utilization`` of the whole device is free, as vLLM's does. With
 ``enable_sleep_mode`` it can :meth:`~labkit.engine.LLMEngine.sleep` (hand its weights and KV cache
@@ -161,7 +162,7 @@ class LLMEngine:
         return self.args.block_size * kv_cache_bytes_per_token(spec, "fp32")
 
     def _size_kv_cache(self, spec: ModelSpec) -> int:
-        """vLLM's rule (chapter 1.3): what is left of the budget, in whole blocks. The budget
+        """vLLM's rule (chapter 1): what is left of the budget, in whole blocks. The budget
         is ``gpu_memory_utilization`` of the whole device, whoever else uses it."""
         args = self.args
         budget = args.device_memory_gib * GiB * args.gpu_memory_utilization

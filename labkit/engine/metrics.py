@@ -1,4 +1,4 @@
-"""The teaching engine's Prometheus metrics, with vLLM's names (chapter 2.2, chapter 8).
+"""The teaching engine's Prometheus metrics, with vLLM's names (chapter 2, :ref:`ch08-metrics`).
 
 Dashboards and alerts written for vLLM (``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds`` ...) work unchanged

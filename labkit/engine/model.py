@@ -1,4 +1,5 @@
-"""A Llama-family decoder in NumPy whose attention reads a paged KV cache (chapter 2.1).
+"""A Llama-family decoder in NumPy whose attention reads a paged KV cache
+(chapter 2, :ref:`ch03-paged-attention`).
 
 RMSNorm, rotary position embeddings (theta and scaling as the config sets them), grouped-query
 attention through :func:`labkit.attention.paged_attention`, and the SwiGLU MLP; Qwen2's q/k/v

@@ -1,4 +1,4 @@
-"""What ``generate`` returns, shaped like vLLM's ``RequestOutput`` (chapter 2.1)."""
+"""What ``generate`` returns, shaped like vLLM's ``RequestOutput`` (:ref:`ch02-offline-api`)."""
 
 from __future__ import annotations
 

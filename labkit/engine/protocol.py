@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies and response pieces, as ``vllm serve`` reads and writes
-them (chapter 2.2).
+them (:doc:`chapter 2 </chapters/ch02_engines>`, :ref:`ch02-streaming`).
 
 Every field vLLM honours either maps onto :class:`~labkit.engine.SamplingParams` here or,
 if the teaching engine does not implement it, is refused with a 400 that names it; nothing

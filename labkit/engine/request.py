@@ -1,4 +1,5 @@
-"""One generation request as the teaching engine keeps it: a single record (chapter 2.1).
+"""One generation request as the teaching engine keeps it: a single record
+(:doc:`chapter 2 </chapters/ch02_engines>`).
 
 :class:`EngineRequest` is the scheduler's :class:`~labkit.scheduling.Request` (tokens, KV
 progress, timestamps) plus what sampling and output need: the parameters, a random

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler, with vLLM's names and checks (chapter 2.1).
+"""Sampling parameters and the sampler, with vLLM's names and checks (:ref:`ch02-offline-api`).
 
 ``SamplingParams`` rejects what vLLM rejects, with a :class:`~labkit.checks.ParameterError`
 that names the field, so the server can answer 400 with ``param`` set. ``sample`` turns one
@@ -46,10 +46,10 @@ class SamplingParams:
     ``temperature`` below 1e-5 (0 included) is greedy. ``top_k=-1`` (or 0) and ``top_p=1``
     disable those filters; a ``top_k`` above the vocabulary keeps every token. ``seed`` makes
     one request's sampling reproducible whatever it is batched with. ``n`` choices share the
-    prompt's KV blocks (chapter 3.1's fork); with a seed, choice ``i`` uses ``seed + i``, as
-    vLLM does. ``logprobs`` asks for the sampled token's log-probability and the ``logprobs``
-    most likely ones; ``prompt_logprobs`` the same for every prompt token. ``regex`` or
-    ``structured_outputs`` constrain the output (chapter 2.3).
+    prompt's KV blocks (the fork of :ref:`ch03-paged-attention`); with a seed, choice ``i`` uses
+    ``seed + i``, as vLLM does. ``logprobs`` asks for the sampled token's log-probability and the
+    ``logprobs`` most likely ones; ``prompt_logprobs`` the same for every prompt token. ``regex`` or
+    ``structured_outputs`` constrain the output (:ref:`ch02-sglang`).
     """
 
     n: int = 1

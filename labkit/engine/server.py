@@ -1,9 +1,10 @@
-"""An OpenAI-compatible HTTP server for the teaching engine (chapter 2.2).
+"""An OpenAI-compatible HTTP server for the teaching engine (:ref:`ch02-streaming`).
 
 The same routes as ``vllm serve``: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (streaming over server-sent events or not), ``/tokenize``,
 ``/health`` and ``/metrics``; with ``VLLM_SERVER_DEV_MODE=1``, as in vLLM, also the sleep-mode
-routes ``POST /sleep?level=``, ``POST /wake_up`` and ``GET /is_sleeping`` (chapter 6.2).
+routes ``POST /sleep?level=``, ``POST /wake_up`` and ``GET /is_sleeping``
+(:doc:`/chapters/ch06_gpu_sharing`).
 Every 4xx is an OpenAI error object (``{"error": {"message", "type", "param", "code"}}``), so
 the official ``openai`` client raises its usual exceptions.
 As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and

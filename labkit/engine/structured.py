@@ -1,4 +1,5 @@
-"""Structured outputs with vLLM's parameters, enforced as one regular expression (chapter 2.3).
+"""Structured outputs with vLLM's parameters, enforced as one regular expression
+(:ref:`ch02-sglang`).
 
 vLLM 0.33 takes one constraint per request: ``SamplingParams(structured_outputs=
 StructuredOutputsParams(json=schema))`` offline, and online the request field

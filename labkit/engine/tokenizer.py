@@ -1,4 +1,5 @@
-"""The model's tokenizer and chat template, read as ``transformers`` 5 reads them (chapter 2.1).
+"""The model's tokenizer and chat template, read as ``transformers`` 5 reads them
+(:doc:`chapter 2 </chapters/ch02_engines>`).
 
 Two details decide whether a prompt reaches the model as it was trained:
 

@@ -1,4 +1,5 @@
-"""Read ``*.safetensors`` checkpoints into float32 NumPy arrays, BF16 included (chapter 2.1).
+"""Read ``*.safetensors`` checkpoints into float32 NumPy arrays, BF16 included
+(:doc:`chapter 2 </chapters/ch02_engines>`).
 
 NumPy has no bfloat16, so BF16 tensors are widened by hand: a BF16 number is the upper 16 bits
 of the float32 with the same value. The format itself is simple: an 8-byte little-endian

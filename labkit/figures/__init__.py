@@ -8,11 +8,18 @@ real allocations, the batching timeline from a real scheduler run, the roofline 
 :class:`~labkit.gateway.routing.Pipeline`, the autoscaler loop from a real
 :class:`~labkit.autoscale.HorizontalPodAutoscaler`. Nothing in a figure is typed in by hand.
 
-- :mod:`~labkit.figures.roofline`: prefill and decode on one GPU's roofline (chapter 1.4).
-- :mod:`~labkit.figures.engine`: the five parts of an inference engine in a loop (2.1).
-- :mod:`~labkit.figures.kvcache`: the block table, logical to physical blocks (chapter 3.1).
-- :mod:`~labkit.figures.batching`: static against continuous batching, step by step (3.2).
-- :mod:`~labkit.figures.parallel`: the Megatron MLP split and the ring all-reduce (3.4).
-- :mod:`~labkit.figures.gateway`: the endpoint picker's filter, score, pick (chapter 5.2).
-- :mod:`~labkit.figures.autoscale`: the HPA's observe, decide, stabilize, scale loop (5.6).
+- :mod:`~labkit.figures.roofline`: prefill and decode on one GPU's roofline
+  (:numref:`fig-roofline`).
+- :mod:`~labkit.figures.engine`: the five parts of an inference engine in a loop
+  (:numref:`fig-engine-loop`).
+- :mod:`~labkit.figures.kvcache`: the block table, logical to physical blocks
+  (:ref:`ch03-paged-attention`).
+- :mod:`~labkit.figures.batching`: static against continuous batching, step by step
+  (:numref:`fig-batching-timeline`).
+- :mod:`~labkit.figures.parallel`: the Megatron MLP split and the ring all-reduce
+  (:ref:`ch03-tensor-parallelism`).
+- :mod:`~labkit.figures.gateway`: the endpoint picker's filter, score, pick
+  (:ref:`ch05-choosing-backend`).
+- :mod:`~labkit.figures.autoscale`: the HPA's observe, decide, stabilize, scale loop
+  (:ref:`ch05-hpa-kpa-keda`).
 """

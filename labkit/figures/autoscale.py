@@ -1,4 +1,4 @@
-"""The Horizontal Pod Autoscaler's loop, drawn from a real run of it (chapter 5.6)."""
+"""The Horizontal Pod Autoscaler's loop, drawn from a real run of it (:ref:`ch05-hpa-kpa-keda`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from labkit.checks import ParameterError, positive_int
 
 def run_hpa(hpa: HorizontalPodAutoscaler, syncs: Sequence[tuple[float, Sequence[float]]],
             replicas: int) -> list[Observation]:
-    """Drive ``hpa`` through ``syncs`` and return what it observed at each (chapter 5.6).
+    """Drive ``hpa`` through ``syncs`` and return what it observed at each
+    (:ref:`ch05-hpa-kpa-keda`).
 
     Each sync is ``(time_s, per-pod values of hpa.metric)``; of the values, as many pods as
     there are replicas report (a list shorter than that: the rest have no metric yet). Each
@@ -35,7 +36,7 @@ def run_hpa(hpa: HorizontalPodAutoscaler, syncs: Sequence[tuple[float, Sequence[
 def hpa_loop_figure(hpa: HorizontalPodAutoscaler, observations: Sequence[Observation],
                     highlight: int | None = None) -> Figure:
     """Observe, propose, stabilize, limit, scale: one HPA sync worked in numbers, above the
-    whole run's replica counts (chapter 5.6).
+    whole run's replica counts (:ref:`ch05-hpa-kpa-keda`).
 
     ``hpa`` has made one decision per observation (:func:`run_hpa`). The loop's boxes carry
     the HPA's own settings (target, tolerance, windows, rate policies) and the numbers of

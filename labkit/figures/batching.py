@@ -1,4 +1,6 @@
-"""Static against continuous batching, step by step, from real scheduler runs (chapter 3.2)."""
+"""Static against continuous batching, step by step, from real scheduler runs
+(:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`:
+:numref:`fig-batching-timeline`)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ STATE_COLORS = {WAITING: "#D9D9D9", PREFILL: "#DD8452", DECODE: "#4C72B0",
 
 @dataclass(frozen=True)
 class BatchTimeline:
-    """What every request did at every step of one scheduler run (chapter 3.2).
+    """What every request did at every step of one scheduler run (chapter 3).
 
     ``states[i][s]`` is request ``request_ids[i]``'s state at step ``s`` (one of the module's
     state names); ``num_tokens[s]`` is how many tokens step ``s`` computed, padding excluded.
@@ -53,7 +55,7 @@ class BatchTimeline:
 def record_timeline(scheduler: Scheduler | StaticBatchScheduler, requests: Sequence[Request],
                     arrival_steps: Sequence[int], name: str,
                     max_steps: int = 10_000) -> BatchTimeline:
-    """Run ``scheduler`` step by step and record each request's state (chapter 3.2).
+    """Run ``scheduler`` step by step and record each request's state (chapter 3).
 
     Request ``i`` is added before step ``arrival_steps[i]``. A scheduled request is in
     prefill while it computes tokens it already knows (its prompt, or everything again after a
@@ -113,7 +115,7 @@ def compare_batching(prompt_lens: Sequence[int], output_lens: Sequence[int],
                      num_blocks: int = 256) -> list[BatchTimeline]:
     """The same requests through :class:`~labkit.scheduling.StaticBatchScheduler` (batches of
     ``max_num_seqs``) and :class:`~labkit.scheduling.Scheduler` (``max_num_seqs`` running,
-    ``max_num_batched_tokens`` per step, chunked prefill), for chapter 3.2's timeline figure.
+    ``max_num_batched_tokens`` per step, chunked prefill), for :numref:`fig-batching-timeline`.
 
     Token ids are made up (distinct per request, so no prefix is shared); the KV cache has
     ``num_blocks`` blocks of ``block_size`` tokens.
@@ -133,7 +135,7 @@ def compare_batching(prompt_lens: Sequence[int], output_lens: Sequence[int],
 
 
 def batching_figure(timelines: Sequence[BatchTimeline]) -> Figure:
-    """One panel per run: requests as rows, engine steps as columns (chapter 3.2).
+    """One panel per run: requests as rows, engine steps as columns (chapter 3).
 
     Each cell is coloured by what the request did in that step: waiting, prefill, decode,
     padding (a finished request its static batch still carries) or preempted. The panels

@@ -1,4 +1,5 @@
-"""The five parts of an inference engine, labelled from a real engine (chapter 2.1)."""
+"""The five parts of an inference engine, labelled from a real engine
+(:doc:`chapter 2 </chapters/ch02_engines>`: :numref:`fig-engine-loop`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from labkit.engine.sampling import sample
 
 def engine_loop_figure(engine: LLMEngine) -> Figure:
     """Tokenizer, scheduler, KV cache manager, model runner and sampler, and what passes
-    between them in one step (chapter 2.1).
+    between them in one step (:numref:`fig-engine-loop`).
 
     Every box is labelled from ``engine`` itself: the classes it runs and their settings
     (vocabulary, ``max_num_seqs``, ``max_num_batched_tokens``, the KV cache's blocks, the

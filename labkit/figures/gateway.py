@@ -1,4 +1,5 @@
-"""The endpoint picker's filter, score, pick, drawn from one real routing decision (chapter 5.2)."""
+"""The endpoint picker's filter, score, pick, drawn from one real routing decision
+(:ref:`ch05-choosing-backend`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class RoutingTrace:
 
 
 def endpoint_picker_example() -> tuple[Pipeline, RoutingRequest, list[Endpoint], float]:
-    """The routing decision chapter 5.2's figure shows: ``(pipeline, request, endpoints, now)``.
+    """The routing decision that :numref:`fig-endpoint-picker` shows: ``(pipeline, request,
+    endpoints, now)``.
 
     The section's three endpoints (``a`` idle, ``b`` with a queue, ``c`` with a fuller KV
     cache) plus ``d``, ejected after failed probes, and ``e``, whose KV cache is 86 % full.
@@ -63,7 +65,7 @@ def endpoint_picker_example() -> tuple[Pipeline, RoutingRequest, list[Endpoint],
 def trace_routing(pipeline: Pipeline, request: RoutingRequest, endpoints: Sequence[Endpoint],
                   now: float) -> RoutingTrace:
     """Run ``pipeline`` on one request, one stage at a time, and keep what each stage did
-    (chapter 5.2).
+    (:ref:`ch05-choosing-backend`).
 
     The stages are the pipeline's own plugin objects, run in its order; the totals are
     :meth:`Pipeline.scored`'s (each score clamped to [0, 1], times its weight) and the pick
@@ -103,7 +105,7 @@ def trace_routing(pipeline: Pipeline, request: RoutingRequest, endpoints: Sequen
 
 def routing_figure(trace: RoutingTrace, now: float | None = None) -> Figure:
     """The filter, score, pick pipeline as a table: endpoints as rows, stages as columns
-    (chapter 5.2).
+    (:ref:`ch05-choosing-backend`).
 
     Each column is headed by the real stage's name. Filters show which endpoints pass (✓) or
     are dropped (✗); scorers show each score and its weight; the total column is the

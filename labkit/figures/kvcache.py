@@ -1,4 +1,5 @@
-"""The block table of PagedAttention, drawn from a real KV cache manager (chapter 3.1)."""
+"""The block table of PagedAttention, drawn from a real KV cache manager
+(:ref:`ch03-paged-attention`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ _CACHED_FREE_COLOR = "#D9D9D9"
 
 
 def shared_prefix_example(block_size: int = 16, num_blocks: int = 12) -> KVCacheManager:
-    """A KV cache after the allocations chapter 3.1's block-table figure shows.
+    """A KV cache after the allocations that :numref:`fig-block-table` shows.
 
     In order: request ``D`` (24 tokens) runs and finishes, so its one full block stays cached
     while nobody holds it; ``A`` (a 32-token system prompt and an 8-token question) is
@@ -47,7 +48,8 @@ def shared_prefix_example(block_size: int = 16, num_blocks: int = 12) -> KVCache
 
 
 def block_table_figure(kv: KVCacheManager, request_ids: Sequence[str] | None = None) -> Figure:
-    """Each request's block table and the physical blocks it points to (chapter 3.1).
+    """Each request's block table and the physical blocks it points to
+    (:ref:`ch03-paged-attention`).
 
     Top: one row per request, logical block ``i`` of its sequence with the physical block id
     its table names and how many of the block's slots hold tokens. Bottom: every physical

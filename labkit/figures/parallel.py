@@ -1,4 +1,5 @@
-"""Tensor parallelism drawn: the Megatron MLP split and the ring all-reduce (chapter 3.4)."""
+"""Tensor parallelism drawn: the Megatron MLP split and the ring all-reduce
+(:ref:`ch03-tensor-parallelism`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ _RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"
 
 def tensor_parallel_mlp_figure(model: ModelSpec | str = "Llama-3-8B",
                                tensor_parallel_size: int = 4) -> Figure:
-    """The MLP of one decoder layer split over ``tensor_parallel_size`` GPUs (chapter 3.4).
+    """The MLP of one decoder layer split over ``tensor_parallel_size`` GPUs
+    (:ref:`ch03-tensor-parallelism`).
 
     Top: the full weights, ``W_gate`` and ``W_up`` cut by output columns, ``W_down`` by input
     rows, one colour per GPU. Below, one lane per GPU: the replicated input ``x``, its column
@@ -87,7 +89,7 @@ def tensor_parallel_mlp_figure(model: ModelSpec | str = "Llama-3-8B",
 
 @dataclass(frozen=True)
 class RingStep:
-    """The state of a ring all-reduce after one step (chapter 3.4).
+    """The state of a ring all-reduce after one step (:ref:`ch03-tensor-parallelism`).
 
     ``sends`` lists ``(from_rank, to_rank, chunk)`` for this step (empty for the starting
     state). ``holdings[rank][chunk]`` is the set of ranks whose values that rank's copy of
@@ -107,7 +109,7 @@ class RingStep:
 
 def ring_all_reduce_steps(num_ranks: int) -> list[RingStep]:
     """Every step of a ring all-reduce over ``num_ranks`` ranks, each buffer in as many chunks
-    (chapter 3.4; :func:`~labkit.parallel.ring_all_reduce_s` prices it).
+    (:ref:`ch03-tensor-parallelism`; :func:`~labkit.parallel.ring_all_reduce_s` prices it).
 
     Reduce-scatter, ``p - 1`` steps: at step ``s`` (from 0) rank ``r`` sends its chunk
     ``(r - s) mod p`` to rank ``r + 1``, which adds it to its own. After it, rank ``r`` holds
@@ -131,7 +133,8 @@ def ring_all_reduce_steps(num_ranks: int) -> list[RingStep]:
 
 
 def ring_all_reduce_figure(num_ranks: int = 4) -> Figure:
-    """The ring all-reduce step by step (chapter 3.4), from :func:`ring_all_reduce_steps`.
+    """The ring all-reduce step by step (:ref:`ch03-tensor-parallelism`), from
+    :func:`ring_all_reduce_steps`.
 
     One row per step, one column per rank; in each cell the rank's ``p`` chunks, shaded by
     how many ranks' values each already sums and labelled with those ranks ("Σ" when all).

@@ -1,4 +1,5 @@
-"""Prefill and decode on one GPU's roofline (chapters 1.4 and 3.2)."""
+"""Prefill and decode on one GPU's roofline
+(:doc:`chapter 1 </chapters/ch01_gpu_selection>`: :numref:`fig-roofline`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def prefill_decode_roofline(model: ModelSpec | str = "Llama-3-8B", gpu: GPU | st
                             batch_sizes: Sequence[int] = DECODE_BATCHES,
                             weight_dtype: str = "bf16") -> Figure:
     """Where a prefill step and decode steps of growing batch sit on ``gpu``'s roofline
-    (chapter 1.4; chapter 3.2 batches to move decode right).
+    (:numref:`fig-roofline`; chapter 3 batches to move decode right).
 
     The roof and the prefill point come from :func:`~labkit.hardware.plots.plot_roofline`,
     each decode point from :func:`~labkit.hardware.decode_step`: one line per context

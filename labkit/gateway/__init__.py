@@ -1,4 +1,5 @@
-"""An inference gateway: one address, several model servers, a router between (chapter 5).
+"""An inference gateway: one address, several model servers, a router between
+(chapter 5: :ref:`ch05-choosing-backend`, :ref:`ch05-backend-dies`).
 
 * :mod:`labkit.gateway.endpoints`: what the gateway knows of each backend (:class:`Endpoint`);
 * :mod:`labkit.gateway.plugins`: the filters, scorers and pickers routing is built from;

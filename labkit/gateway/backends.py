@@ -1,4 +1,5 @@
-"""The gateway's backend pool: who is up, how loaded, how fast (chapter 5).
+"""The gateway's backend pool: who is up, how loaded, how fast
+(:ref:`ch05-choosing-backend`, :ref:`ch05-backend-dies`).
 
 One :class:`~labkit.gateway.endpoints.Endpoint` per backend server, kept current three ways:
 

@@ -1,4 +1,5 @@
-"""What the gateway knows about each backend, and what one routing decision reads (chapter 5).
+"""What the gateway knows about each backend, and what one routing decision reads
+(:ref:`ch05-choosing-backend`).
 
 The proxy (:mod:`labkit.gateway.server`) owns one :class:`Endpoint` per backend and keeps it
 current: its own count of open requests, the backend's ``/metrics`` scraped on an interval

@@ -1,4 +1,4 @@
-"""Load for a gateway, and what the backends say it did (chapter 5).
+"""Load for a gateway, and what the backends say it did (chapter 5, :ref:`ch05-backend-dies`).
 
 Lab 05 and ``benchmarks/gateway_prefix.py`` put the same fleet under the same loads:
 

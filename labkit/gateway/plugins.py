@@ -1,4 +1,5 @@
-"""The stages a routing pipeline is built from: filters, scorers and pickers (chapter 5).
+"""The stages a routing pipeline is built from: filters, scorers and pickers
+(:ref:`ch05-choosing-backend`).
 
 Each is one small class after a plugin of the Kubernetes Gateway API Inference Extension's
 endpoint picker, now maintained in llm-d's router (the sources are cited on each), or one of

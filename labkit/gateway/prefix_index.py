@@ -1,4 +1,5 @@
-"""The gateway's approximate prefix index: which backend likely holds a prompt's prefix (chapter 5).
+"""The gateway's approximate prefix index: which backend likely holds a prompt's prefix
+(chapter 5: the prefix scorer of :ref:`ch05-choosing-backend`).
 
 A backend with prefix caching (vLLM's ``--enable-prefix-caching``, the teaching engine's paged KV
 cache of chapter 3) skips the prefill of every leading block it already holds. The gateway

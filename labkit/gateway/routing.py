@@ -1,4 +1,5 @@
-"""Endpoint choice as a pipeline: filters, then weighted scorers, then a picker (chapter 5).
+"""Endpoint choice as a pipeline: filters, then weighted scorers, then a picker
+(:ref:`ch05-choosing-backend`).
 
 The stages live in :mod:`labkit.gateway.plugins`; this module assembles them into the
 strategies the gateway offers.

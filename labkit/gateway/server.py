@@ -1,5 +1,5 @@
 """``labkit.gateway``'s proxy: one OpenAI-compatible address in front of several servers
-(chapter 5).
+(chapter 5, :ref:`ch05-backend-dies`).
 
 The gateway receives ``POST /v1/completions`` and ``/v1/chat/completions``, asks a router
 (:mod:`labkit.gateway.routing`) which backend should serve each, forwards the request body

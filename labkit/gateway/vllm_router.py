@@ -1,4 +1,5 @@
-"""The vLLM project's production router, started beside labkit's gateway (chapter 5).
+"""The vLLM project's production router, started beside labkit's gateway
+(chapter 5, :ref:`ch05-backend-dies`).
 
 ``vllm-router`` (PyPI ``vllm-router``, a Rust binary wheel that runs on CPU) is the router the
 vLLM project ships for fleets of ``vllm serve`` workers. Chapter 5 starts it in front of the

@@ -1,4 +1,5 @@
-"""Chapter 1: GPU selection, memory and rooflines.
+"""GPU selection, memory and rooflines: chapter 1, from :ref:`ch01-three-numbers` to
+:ref:`ch01-let-numbers-choose`.
 
 - :mod:`~labkit.hardware.gpus`: the GPU table (``labkit/data/gpus.csv``), each row sourced.
 - :mod:`~labkit.hardware.models`: ``ModelSpec`` from a Hugging Face ``config.json``; presets.

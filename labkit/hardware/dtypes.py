@@ -1,4 +1,5 @@
-"""Number formats for weights and for the KV cache, and what each costs in bytes (chapter 1.2).
+"""Number formats for weights and for the KV cache, and what each costs in bytes
+(:ref:`ch01-what-fits`).
 
 Weights and KV cache are sized separately on purpose: an INT4 AWQ model still keeps its KV
 cache in BF16 unless the engine is told otherwise (vLLM's ``kv_cache_dtype``), so sizing the

@@ -1,4 +1,5 @@
-"""The GPU table of chapter 1: datasheet numbers, one row per part, each with its source.
+"""The GPU table of :ref:`ch01-three-numbers`: datasheet numbers, one row per part, each
+with its source.
 
 Throughput columns are dense tensor-core peaks (no 2:4 sparsity), the numbers a serving
 engine can reach at best. A blank cell means the part has no such tensor path (the A100 has
@@ -18,7 +19,7 @@ from labkit.units import GiB
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator's datasheet numbers (chapter 1.1).
+    """One accelerator's datasheet numbers (:ref:`ch01-three-numbers`).
 
     Units are in the names: ``memory_gib`` (2**30 bytes), ``mem_bandwidth_gb_s`` (10**9 B/s),
     ``*_tflops`` / ``int8_tops`` (10**12 ops/s, dense), ``interconnect_gb_s`` (10**9 B/s,
@@ -73,7 +74,8 @@ class GPU:
         return peak * 1e12
 
     def ridge_point(self, compute_dtype: str = "bf16") -> float:
-        """Arithmetic intensity (FLOP/byte) where the roofline turns compute-bound (ch. 1.4)."""
+        """Arithmetic intensity (FLOP/byte) where the roofline turns compute-bound
+        (:ref:`ch01-three-numbers`)."""
         return self.peak_ops_s(compute_dtype) / self.mem_bandwidth_bytes_s
 
 
@@ -99,12 +101,13 @@ def _load() -> dict[str, GPU]:
 
 
 def list_gpus() -> list[GPU]:
-    """All GPUs of the table, in table order (chapter 1.1)."""
+    """All GPUs of the table, in table order (:ref:`ch01-three-numbers`)."""
     return list(_load().values())
 
 
 def get_gpu(name: str | GPU) -> GPU:
-    """Look a GPU up by its table name, case and spaces ignored: ``"H100 SXM"`` (chapter 1.1)."""
+    """Look a GPU up by its table name, case and spaces ignored: ``"H100 SXM"``
+    (:ref:`ch01-three-numbers`)."""
     if isinstance(name, GPU):
         return name
     key = _normalise(name)
@@ -119,7 +122,7 @@ def _normalise(name: str) -> str:
 
 
 def gpu_table_markdown(gpus: list[GPU] | None = None) -> str:
-    """The comparison table of chapter 1.1 as Markdown, generated from the data file.
+    """The comparison table of :ref:`ch01-three-numbers` as Markdown, generated from the data file.
 
     Throughput columns are dense TFLOP/s (INT8: TOP/s); the last column is the BF16 ridge point.
     """

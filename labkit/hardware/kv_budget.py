@@ -1,4 +1,5 @@
-"""The vLLM view of GPU memory: how many KV blocks fit, and how many sequences (chapter 1.3).
+"""The vLLM view of GPU memory: how many KV blocks fit, and how many sequences
+(:doc:`chapter 1 </chapters/ch01_gpu_selection>`).
 
 At start-up vLLM loads the weights, runs one forward pass of ``max_num_batched_tokens``
 dummy tokens to measure peak activations, and then hands the rest of its share of the GPU,
@@ -31,7 +32,7 @@ class DoesNotFitError(ParameterError):
 
 def num_kv_blocks(budget_bytes: float, *, weights_bytes: float, activations_bytes: float,
                   block_bytes: int, overhead_bytes: float = 0.0) -> int:
-    """Whole KV blocks that fit in what the weights, activations and overhead leave (ch. 1.3).
+    """Whole KV blocks that fit in what the weights, activations and overhead leave (chapter 1).
 
     vLLM's rule: its share of the device, ``gpu_memory_utilization * total``, minus the weights,
     the peak activations of the profiling run and the runtime overhead, rounded down to whole
@@ -45,7 +46,7 @@ def num_kv_blocks(budget_bytes: float, *, weights_bytes: float, activations_byte
 def check_sequence_fits(num_tokens: int, num_blocks: int, block_size: int, what: str,
                         remedy: str = "", param: str | None = None) -> None:
     """Raise :class:`DoesNotFitError` if one sequence of ``num_tokens`` tokens needs more KV
-    blocks than the whole cache has: it could never run (chapter 1.3).
+    blocks than the whole cache has: it could never run (chapter 1).
 
     vLLM refuses to start when ``max_model_len`` does not fit; a scheduler refuses a request
     that does not. ``what`` names the sequence in the message, ``remedy`` says what to change
@@ -61,7 +62,7 @@ def check_sequence_fits(num_tokens: int, num_blocks: int, block_size: int, what:
 
 
 def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int]:
-    """vLLM's default ``(max_num_batched_tokens, max_num_seqs)`` for a GPU (chapter 1.3).
+    """vLLM's default ``(max_num_batched_tokens, max_num_seqs)`` for a GPU (chapter 1).
 
     Mirrors ``EngineArgs.get_batch_defaults``: GPUs with at least 70 GiB other than the A100
     get 8192 tokens and 1024 sequences for ``vllm serve`` (16384 tokens for the offline
@@ -75,7 +76,7 @@ def vllm_batch_defaults(gpu: GPU | str, offline: bool = False) -> tuple[int, int
 
 @dataclass(frozen=True)
 class KVCachePlan:
-    """What vLLM would allocate on each GPU, in GiB and blocks (chapter 1.3)."""
+    """What vLLM would allocate on each GPU, in GiB and blocks (chapter 1)."""
 
     model: str
     gpu: str
@@ -137,7 +138,7 @@ def plan_kv_cache(model: ModelSpec | str, gpu: GPU | str, tensor_parallel_size: 
                   kv_dtype: str | None = None, max_num_batched_tokens: int | None = None,
                   max_num_seqs: int | None = None,
                   overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> KVCachePlan:
-    """Predict vLLM's KV-cache allocation on ``tensor_parallel_size`` GPUs (chapter 1.3).
+    """Predict vLLM's KV-cache allocation on ``tensor_parallel_size`` GPUs (chapter 1).
 
     ``max_model_len`` defaults to the model's ``max_position_embeddings``; the batch limits
     default to :func:`vllm_batch_defaults`. Raises :class:`DoesNotFitError` (a ``ValueError``)

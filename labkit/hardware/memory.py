@@ -1,4 +1,5 @@
-"""How much GPU memory a model needs to serve: weights, KV cache, activations (chapter 1.2).
+"""How much GPU memory a model needs to serve: weights, KV cache, activations
+(:ref:`ch01-what-fits`).
 
 All functions count bytes exactly from the model's shape and report GiB (2**30 bytes), the
 unit ``nvidia-smi`` and vLLM's logs use. Sizes are per GPU when ``tensor_parallel_size > 1``:
@@ -25,7 +26,7 @@ DEFAULT_OVERHEAD_GIB = 1.0
 def tp_shard(size: int, tensor_parallel_size: int, what: str,
              param: str = "tensor_parallel_size") -> int:
     """The share of ``size`` (heads, a layer's width) each of ``tensor_parallel_size`` ranks
-    holds (chapters 1.3 and 3.4).
+    holds (chapter 1 and :ref:`ch03-tensor-parallelism`).
 
     vLLM splits attention heads and linear layers evenly (its ``divide``), so the TP size must
     divide ``size``. ``what`` names the size in the message, ``param`` the caller's TP argument.
@@ -40,7 +41,8 @@ def tp_shard(size: int, tensor_parallel_size: int, what: str,
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int,
                       param: str = "tensor_parallel_size") -> int:
     """KV heads each rank stores: split when the TP size divides them, one replicated head per
-    rank when they divide the TP size; any other pair is refused (chapters 1.3 and 3.4)."""
+    rank when they divide the TP size; any other pair is refused (chapter 1 and
+    :ref:`ch03-tensor-parallelism`)."""
     tp = positive_int(param, tensor_parallel_size)
     if num_kv_heads % tp and tp % num_kv_heads:
         raise ParameterError(param, f"{param} ({tp}) and num_kv_heads ({num_kv_heads}) must "
@@ -49,7 +51,7 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int,
 
 
 def check_tensor_parallel(model: ModelSpec, tensor_parallel_size: int) -> None:
-    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs (ch. 1.3):
+    """Raise ``ValueError`` unless vLLM could shard ``model`` over this many GPUs (chapter 1):
     the attention heads, the KV heads and the MLP's intermediate size must split evenly."""
     tp_shard(model.num_attention_heads, tensor_parallel_size, "num_attention_heads")
     kv_heads_per_rank(model.num_kv_heads, tensor_parallel_size)
@@ -58,7 +60,7 @@ def check_tensor_parallel(model: ModelSpec, tensor_parallel_size: int) -> None:
 
 def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
                              tensor_parallel_size: int = 1) -> int:
-    """Bytes of KV cache one token occupies on one GPU, over all layers (chapter 1.2).
+    """Bytes of KV cache one token occupies on one GPU, over all layers (:ref:`ch01-what-fits`).
 
     ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)``: the KV heads,
     not the attention heads, which is the whole saving of grouped-query attention.
@@ -71,7 +73,7 @@ def kv_cache_bytes_per_token(model: ModelSpec | str, kv_dtype: str = "bf16",
 
 def weight_bytes(model: ModelSpec | str, weight_dtype: str | WeightFormat = "bf16",
                  tensor_parallel_size: int = 1) -> float:
-    """Bytes of weights on one GPU (chapter 1.2).
+    """Bytes of weights on one GPU (:ref:`ch01-what-fits`).
 
     Quantized formats shrink only the decoder's linear layers; embedding, LM head and norms
     stay 16-bit. Norms are replicated on every rank, everything else is split evenly.
@@ -92,7 +94,8 @@ def weight_bytes(model: ModelSpec | str, weight_dtype: str | WeightFormat = "bf1
 
 def activation_bytes(model: ModelSpec | str, num_tokens: int, num_seqs: int,
                      tensor_parallel_size: int = 1, act_dtype_bytes: int = 2) -> float:
-    """Peak activation working set of a forward pass over ``num_tokens`` tokens (chapter 1.2).
+    """Peak activation working set of a forward pass over ``num_tokens`` tokens
+    (:ref:`ch01-what-fits`).
 
     An estimate of what vLLM's start-up profiling run measures: the largest layer's live
     tensors (residual and normed input ``2*H``, the q/k/v projection, the MLP's gate+up
@@ -113,7 +116,7 @@ def activation_bytes(model: ModelSpec | str, num_tokens: int, num_seqs: int,
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Memory needed per GPU, in GiB (chapter 1.2)."""
+    """Memory needed per GPU, in GiB (:ref:`ch01-what-fits`)."""
 
     model: str
     weight_dtype: str
@@ -150,7 +153,8 @@ def estimate_vram(model: ModelSpec | str, weight_dtype: str = "bf16", kv_dtype: 
                   seq_len: int = 4096, batch_size: int = 1, tensor_parallel_size: int = 1,
                   max_num_batched_tokens: int | None = None,
                   overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> MemoryEstimate:
-    """Memory per GPU to hold ``batch_size`` sequences of ``seq_len`` tokens (chapter 1.2).
+    """Memory per GPU to hold ``batch_size`` sequences of ``seq_len`` tokens
+    (:ref:`ch01-what-fits`).
 
     ``kv_dtype=None`` means vLLM's ``"auto"``: the activation dtype (BF16), whatever the
     weights are stored in. ``max_num_batched_tokens`` caps the tokens of one forward pass,

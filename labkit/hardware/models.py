@@ -1,4 +1,4 @@
-"""Model shapes and parameter counts, from a Hugging Face ``config.json`` (chapter 1.2).
+"""Model shapes and parameter counts, from a Hugging Face ``config.json`` (:ref:`ch01-what-fits`).
 
 Counting parameters from the shape, rather than trusting the "8B" in a model's name, is what
 lets the memory math separate weights that quantization shrinks (the linear layers) from those
@@ -30,7 +30,8 @@ _UNSUPPORTED_KEYS = {
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters by role (chapter 1.2). ``linear`` is what weight quantization applies to."""
+    """Parameters by role (:ref:`ch01-what-fits`). ``linear`` is what weight quantization
+    applies to."""
 
     embedding: int
     lm_head: int
@@ -62,7 +63,8 @@ class ParamCount:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a decoder-only transformer: Llama, Qwen2, Mixtral families (chapter 1.2).
+    """The shape of a decoder-only transformer: Llama, Qwen2, Mixtral families
+    (:ref:`ch01-what-fits`).
 
     ``num_experts == 1`` means a dense MLP. ``qkv_bias`` is True for Qwen2, which adds
     biases to the q, k and v projections; ``o_bias`` for Llama configs with ``attention_bias``.

@@ -1,4 +1,5 @@
-"""Plots for chapter 1: memory breakdowns (1.2), the roofline and decode throughput (1.4)."""
+"""Plots for chapter 1: memory breakdowns (:ref:`ch01-what-fits`), the roofline and decode
+throughput (:doc:`chapter 1 </chapters/ch01_gpu_selection>`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Roofline bounds for prefill and decode (chapter 1.4).
+"""Roofline bounds for prefill and decode (:doc:`chapter 1 </chapters/ch01_gpu_selection>`).
 
 A step of the engine can go no faster than its FLOPs at the GPU's peak tensor throughput, nor
 faster than its bytes at peak memory bandwidth: ``time >= max(FLOPs / peak, bytes / BW)``.
@@ -22,7 +22,7 @@ from labkit.hardware.models import ModelSpec, get_model
 
 @dataclass(frozen=True)
 class StepBound:
-    """Lower bound on one engine step's time, per GPU; FLOPs and bytes per GPU too (ch. 1.4)."""
+    """Lower bound on one engine step's time, per GPU; FLOPs and bytes per GPU too (chapter 1)."""
 
     flops: float
     bytes_moved: float
@@ -105,7 +105,8 @@ def _compute_dtype(weight_dtype: str) -> str:
 def step_bound(model: ModelSpec | str, gpu: GPU | str, rows: Sequence[tuple[int, int]],
                weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                tensor_parallel_size: int = 1) -> StepBound:
-    """Bound on one engine step over a mixed batch (chapter 1.4; the simulator's cost, 3.2).
+    """Bound on one engine step over a mixed batch (chapter 1; the simulator's cost in
+    :ref:`ch03-simulating`).
 
     ``rows`` holds ``(new_tokens, context_before)`` per sequence: a decode is ``(1, c)``, a
     prefill chunk ``(n, c)``. New token ``j`` of a row attends to ``c + j`` tokens (causal),
@@ -128,7 +129,7 @@ def step_bound(model: ModelSpec | str, gpu: GPU | str, rows: Sequence[tuple[int,
 def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context_len: int,
                 weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                 tensor_parallel_size: int = 1) -> StepBound:
-    """Bound on one decode step of ``batch_size`` sequences with ``context_len`` tokens (ch. 1.4).
+    """Bound on one decode step of ``batch_size`` sequences with ``context_len`` tokens (chapter 1).
 
     Each sequence attends to ``context_len`` tokens, its new one included. Bytes: the weights
     the step touches plus every sequence's KV cache. FLOPs: ``2 x`` active parameters per
@@ -143,7 +144,7 @@ def decode_step(model: ModelSpec | str, gpu: GPU | str, batch_size: int, context
 def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_size: int = 1,
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  tensor_parallel_size: int = 1) -> StepBound:
-    """Bound on prefilling ``batch_size`` prompts of ``prompt_len`` tokens at once (ch. 1.4).
+    """Bound on prefilling ``batch_size`` prompts of ``prompt_len`` tokens at once (chapter 1).
 
     Causal attention: token ``i`` attends to ``i`` tokens, ``P(P+1)/2`` pairs per prompt.
     Bytes: the weights once plus the KV cache written for every prompt token.
@@ -157,7 +158,7 @@ def prefill_step(model: ModelSpec | str, gpu: GPU | str, prompt_len: int, batch_
 def decode_compute_bound_batch(model: ModelSpec | str, gpu: GPU | str, context_len: int,
                                weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                                max_batch: int = 1 << 20) -> int | None:
-    """Smallest decode batch that is compute-bound, or None up to ``max_batch`` (chapter 1.4).
+    """Smallest decode batch that is compute-bound, or None up to ``max_batch`` (chapter 1).
 
     With a long context each extra sequence brings its own KV bytes, so the intensity levels
     off below the ridge point and decode never becomes compute-bound: then this returns None.

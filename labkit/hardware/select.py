@@ -1,4 +1,4 @@
-"""GPU recommendations derived from the memory and roofline math (chapter 1.5).
+"""GPU recommendations derived from the memory and roofline math (:ref:`ch01-let-numbers-choose`).
 
 The seed tutorial's ``select_gpu`` returns strings someone typed in. Here every option is
 computed: for each GPU and weight precision, the smallest tensor-parallel size at which vLLM
@@ -58,7 +58,7 @@ def select_gpu(model: ModelSpec | str, max_model_len: int = 8192, concurrency: i
                precisions: tuple[str, ...] = PRECISIONS,
                max_gpus: int = 8, gpu_memory_utilization: float = 0.9,
                kv_dtype: str = "bf16") -> list[Recommendation]:
-    """Ways to serve ``model``, best first (chapter 1.5).
+    """Ways to serve ``model``, best first (:ref:`ch01-let-numbers-choose`).
 
     For each GPU and precision, keeps the smallest TP size in (1, 2, 4, 8) up to ``max_gpus``
     that holds ``concurrency`` full-length sequences. Sorted by GPU count, then precision

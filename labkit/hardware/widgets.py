@@ -1,4 +1,5 @@
-"""An interactive memory calculator for lab 01 and chapter 1.3 (ipywidgets)."""
+"""An interactive memory calculator (ipywidgets) for lab 01 and
+:doc:`chapter 1 </chapters/ch01_gpu_selection>`."""
 
 from __future__ import annotations
 

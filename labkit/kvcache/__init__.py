@@ -1,4 +1,4 @@
-"""Chapter 3.1: paged KV memory.
+"""Paged KV memory (:ref:`ch03-paged-attention`).
 
 - :class:`BlockPool`: blocks, reference counts, the O(1) free queue that is also the LRU
   eviction order, and the prefix-cache index.

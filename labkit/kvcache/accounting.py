@@ -1,4 +1,4 @@
-"""Memory accounting: contiguous preallocation against paging (chapter 3.1).
+"""Memory accounting: contiguous preallocation against paging (:ref:`ch03-paged-attention`).
 
 Before PagedAttention, servers reserved ``max_model_len`` contiguous slots per request, since
 nobody knows in advance how long the answer will be. Paging allocates ``block_size`` slots at a

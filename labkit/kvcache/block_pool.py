@@ -1,4 +1,5 @@
-"""The physical KV blocks and their free queue, after vLLM v1's ``BlockPool`` (chapter 3.1).
+"""The physical KV blocks and their free queue, after vLLM v1's ``BlockPool``
+(:ref:`ch03-paged-attention`).
 
 Every block is in exactly one of three states: owned (``ref_cnt > 0``), free and still holding
 a cached prefix (``ref_cnt == 0`` and a hash), or free and empty. Free blocks sit in a doubly
@@ -117,7 +118,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks of one GPU, with reference counts and the prefix-cache index (ch. 3.1)."""
+    """All KV blocks of one GPU, with reference counts and the prefix-cache index
+    (:ref:`ch03-paged-attention`)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         positive_int("num_blocks", num_blocks)

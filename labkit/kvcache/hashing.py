@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching (chapter 3.1).
+"""Chained block hashes for prefix caching (:ref:`ch03-paged-attention`).
 
 A full block is named by the hash of its parent block's hash value and its own token ids, so
 one integer stands for the whole prefix up to the end of the block. A request hashes each of

@@ -1,4 +1,4 @@
-"""The KV cache manager: the scheduler's view of KV memory (chapter 3.1).
+"""The KV cache manager: the scheduler's view of KV memory (:ref:`ch03-paged-attention`).
 
 Its verbs are the engine's: how much of a prompt is already cached, allocate slots for the
 tokens about to be computed (or say they do not fit), fork a sequence, free a request. Names

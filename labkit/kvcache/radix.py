@@ -1,4 +1,4 @@
-"""SGLang's RadixAttention cache: a radix tree over token ids (chapter 3.1).
+"""SGLang's RadixAttention cache: a radix tree over token ids (:ref:`ch03-paged-attention`).
 
 Where vLLM names whole blocks by chained hashes, SGLang keeps every cached sequence in a radix
 tree whose edges are runs of token ids and whose values are the KV slots of those tokens, one

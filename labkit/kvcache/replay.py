@@ -1,4 +1,5 @@
-"""Replay one trace through both prefix caches and compare hit rates (chapter 3.1)."""
+"""Replay one trace through both prefix caches and compare hit rates
+(:ref:`ch03-paged-attention`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Monitoring inference servers: scrape, compute like PromQL, alert, check health (chapter 8).
+"""Monitoring inference servers: scrape, compute like PromQL, alert, check health
+(chapter 8: :ref:`ch08-health-checks` to :ref:`ch08-scraping`).
 
 * :mod:`labkit.monitor.series`: scraped samples over time, ``rate()``, ``increase()`` and
   ``histogram_quantile()`` with PromQL's exact math;

@@ -1,4 +1,4 @@
-"""Alert rules with ``for:`` durations, evaluated in Python on scraped series (chapter 8).
+"""Alert rules with ``for:`` durations, evaluated in Python on scraped series (:ref:`ch08-alerts`).
 
 An alerting rule is a condition over the metrics ("p99 TTFT above 2 s") and a duration it
 must hold before anyone is paged. Prometheus' rule manager evaluates every rule on an

@@ -1,5 +1,5 @@
 """Production monitoring artifacts for a vLLM fleet: scrape config, alert rules and their unit
-tests, a Grafana dashboard (chapter 8).
+tests, a Grafana dashboard (:ref:`ch08-alerts`, :ref:`ch08-scraping`).
 
 Everything is built as plain dicts, written as YAML or JSON, and checked by the tool that
 will read it (:func:`promtool`): ``promtool check config`` for the scrape config,

@@ -1,4 +1,4 @@
-"""Does a server export vLLM's metrics, and can a query match them? (chapter 8)
+"""Does a server export vLLM's metrics, and can a query match them? (:ref:`ch08-metrics`)
 
 A dashboard or an alert written for vLLM only works if the server exports the names it
 queries, with the same types, labels and histogram bucket edges. This module holds vLLM v1's

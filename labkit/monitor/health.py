@@ -1,4 +1,4 @@
-"""A health checker with consecutive-failure state (chapter 8).
+"""A health checker with consecutive-failure state (:ref:`ch08-health-checks`).
 
 One failed ``GET /health`` says little (a garbage-collection pause, a full accept queue);
 several in a row say the server is gone. The checker therefore marks a server down after

@@ -1,4 +1,4 @@
-"""A live dashboard in the notebook, and the scripted load it watches (chapter 8).
+"""A live dashboard in the notebook, and the scripted load it watches (:ref:`ch08-scraping`).
 
 :class:`LiveDashboard` asks a monitor (:func:`labkit.monitor.prometheus.start_monitor`: the
 real Prometheus or labkit's scraper) the same PromQL a Grafana dashboard would, every few

@@ -1,5 +1,5 @@
 """The real Prometheus on loopback for a lab or a test, or labkit's scraper in its place
-(chapter 8).
+(:ref:`ch08-scraping`).
 
 :func:`start_monitor` starts whichever this machine has and returns it, started:
 

@@ -1,5 +1,5 @@
 """Scraping any number of servers' ``/metrics`` into a :class:`~labkit.monitor.SeriesStore`
-(chapter 8).
+(:ref:`ch08-scraping`).
 
 What a Prometheus server does on each scrape, in Python: ``GET /metrics`` from every
 target at once, parse the page with ``prometheus_client``'s parser, and store each sample

@@ -1,4 +1,5 @@
-"""Scraped samples over time, and PromQL's arithmetic on them, in Python (chapter 8).
+"""Scraped samples over time, and PromQL's arithmetic on them, in Python
+(:ref:`ch08-rates-quantiles`).
 
 A Prometheus server keeps every scraped sample as ``(timestamp, value)`` in a series named by
 its metric name and labels; dashboards and alerts then ask PromQL for ``rate()``,

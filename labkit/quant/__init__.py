@@ -1,10 +1,11 @@
-"""Chapter 4: quantization from scratch, in NumPy.
+"""Quantization from scratch, in NumPy (:doc:`chapter 4 </chapters/ch04_quantization>`).
 
 - :func:`quantize` (round-to-nearest; INT8/INT4, symmetric or not, per tensor, channel or
   group) with :func:`quant_params`, the scales and zero points GPTQ shares, and
   :func:`pack_int4` / :func:`unpack_int4`.
 - :func:`awq_quantize`: activation-aware scales and clipping.
-- :func:`gptq_quantize`: second-order error feedback, groups, activation order.
+- :func:`gptq_quantize`: second-order error feedback, groups, activation order
+  (:ref:`ch04-gptq`).
 - :func:`quantize_fp8`: E4M3 / E5M2 with per-tensor, per-channel and per-token scales.
 - :func:`smooth_scales`, :func:`w8a8_output`: SmoothQuant for W8A8.
 - :mod:`labkit.quant.model`: quantize a checkpoint's linear layers; perplexity and logit error.

@@ -1,4 +1,5 @@
-"""AWQ: activation-aware weight quantization (Lin et al., 2024), in NumPy (chapter 4.2).
+"""AWQ: activation-aware weight quantization (Lin et al., 2024), in NumPy
+(:doc:`chapter 4 </chapters/ch04_quantization>`).
 
 A few input channels carry much larger activations than the rest, and the weights they
 multiply matter most. AWQ scales those weight columns up before rounding (so they lose less

@@ -1,4 +1,4 @@
-"""FP8 (E4M3 and E5M2) quantization through ``ml_dtypes`` (chapter 4.4).
+"""FP8 (E4M3 and E5M2) quantization through ``ml_dtypes`` (:ref:`ch04-fp8-smoothquant`).
 
 FP8 keeps a float's shape with 8 bits: E4M3 has 3 mantissa bits and a largest finite value of
 448, E5M2 has 2 and reaches 57344. Neither has room for a typical activation outlier, and a

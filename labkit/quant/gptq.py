@@ -1,4 +1,5 @@
-"""GPTQ: quantization with second-order error feedback (Frantar et al., 2023), in NumPy (4.3).
+"""GPTQ: quantization with second-order error feedback (Frantar et al., 2023), in NumPy
+(:ref:`ch04-gptq`).
 
 Quantizing a weight column introduces an error; GPTQ spreads it over the columns not yet
 quantized, in proportion to how the calibration inputs correlate them. With ``H = 2 X^T X``

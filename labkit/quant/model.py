@@ -1,4 +1,4 @@
-"""Quantize a whole checkpoint's linear layers and measure what it costs (chapter 4.5).
+"""Quantize a whole checkpoint's linear layers and measure what it costs (:ref:`ch04-choosing`).
 
 Calibration runs the full-precision teaching model (:mod:`labkit.engine`) over a few token
 sequences and records the input of every linear layer. Each layer is then quantized with the

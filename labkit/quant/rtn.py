@@ -1,4 +1,5 @@
-"""Round-to-nearest integer quantization, and INT4 packing (chapter 4.1).
+"""Round-to-nearest integer quantization, and INT4 packing
+(:doc:`chapter 4 </chapters/ch04_quantization>`).
 
 A weight matrix ``W [out, in]`` is stored as integers ``q`` and a scale (and, asymmetric, a
 zero point) per *group*: the whole tensor, one output channel (a row), or ``group_size``
@@ -49,13 +50,13 @@ class QuantizedTensor:
 
 def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
     """The integer codes of ``bits``-bit quantization: ``[-(2^(b-1) - 1), 2^(b-1) - 1]``
-    symmetric, ``[0, 2^b - 1]`` asymmetric (chapter 4.1)."""
+    symmetric, ``[0, 2^b - 1]`` asymmetric (chapter 4)."""
     return (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
 
 
 def quant_params(lo: np.ndarray, hi: np.ndarray, bits: int,
                  symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and integral zero point of each group from its range ``[lo, hi]`` (chapter 4.1).
+    """Scale and integral zero point of each group from its range ``[lo, hi]`` (chapter 4).
 
     The range is first widened to include 0, as llm-compressor (``calculate_qparams`` in
     compressed-tensors) does, so that 0 is always a code: a group of positive weights maps
@@ -73,7 +74,7 @@ def quant_params(lo: np.ndarray, hi: np.ndarray, bits: int,
 
 def check_group_size(width: int, group_size: int) -> int:
     """``group_size`` if it cuts rows of ``width`` input weights into whole groups, else raise
-    (chapter 4.1)."""
+    (chapter 4)."""
     positive_int("group_size", group_size)
     if width % group_size:
         raise ParameterError("group_size", f"group_size ({group_size}) must divide the input "

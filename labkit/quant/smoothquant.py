@@ -1,4 +1,5 @@
-"""SmoothQuant: move activation outliers into the weights for W8A8 (Xiao et al., 2023) (4.4).
+"""SmoothQuant: move activation outliers into the weights for W8A8 (Xiao et al., 2023)
+(:ref:`ch04-fp8-smoothquant`).
 
 INT8 activations fail on a few channels whose values are 100x the rest: one per-token scale
 must cover them and the others lose all precision. SmoothQuant divides each input channel of

@@ -1,4 +1,5 @@
-"""Chapter 3.2: batch scheduling.
+"""Batch scheduling (:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`:
+:numref:`fig-batching-timeline`; :ref:`ch03-simulating`).
 
 - :class:`Scheduler`: continuous batching with vLLM's token budget, chunked prefill and
   preemption by recompute, over a :class:`~labkit.kvcache.KVCacheManager`.

@@ -1,4 +1,6 @@
-"""A request as the scheduler sees it (chapter 3.2)."""
+"""A request as the scheduler sees it
+(:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`:
+:numref:`fig-batching-timeline`)."""
 
 from __future__ import annotations
 

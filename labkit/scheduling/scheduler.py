@@ -1,4 +1,6 @@
-"""Continuous batching with one token budget, after vLLM v1's scheduler (chapter 3.2).
+"""Continuous batching with one token budget, after vLLM v1's scheduler
+(:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`:
+:numref:`fig-batching-timeline`).
 
 Every step the scheduler hands the model a batch of (request, number of new tokens): running
 requests first (one token for a decode, a chunk for an unfinished prefill), then waiting ones,

@@ -1,4 +1,6 @@
-"""Static batching, the seed tutorial's baseline, with memory and padding accounted (ch. 3.2).
+"""Static batching, the seed tutorial's baseline, with memory and padding accounted
+(:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`:
+:numref:`fig-batching-timeline`).
 
 A batch of up to ``batch_size`` requests is formed only when the previous one has finished
 entirely. Its prompts are padded to the longest and prefilled together; then every member

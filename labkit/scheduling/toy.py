@@ -1,4 +1,6 @@
-"""The seed tutorial's batching example, in its own terms (chapter 3.2).
+"""The seed tutorial's batching example, in its own terms
+(:doc:`chapter 3 </chapters/ch03_paged_attention_batching_parallelism>`;
+:ref:`ch03-tutorial-wrong`).
 
 The tutorial counts decode steps only: a static batch costs as many steps as its longest
 output; continuous batching refills a slot the step after it frees. No prefill, no memory.

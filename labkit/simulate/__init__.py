@@ -1,4 +1,4 @@
-"""Chapter 3.3: a serving simulator.
+"""A serving simulator (:ref:`ch03-simulating`).
 
 - :mod:`~labkit.simulate.workload`: gamma/Poisson arrivals, length distributions,
   shared-prefix conversations, trace replay.

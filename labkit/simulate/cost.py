@@ -1,4 +1,4 @@
-"""How long one engine step takes, for the simulator (chapter 3.3).
+"""How long one engine step takes, for the simulator (:ref:`ch03-simulating`).
 
 The default is chapter 1's roofline for a named model and GPU: a step costs its FLOPs at peak
 or its bytes at peak bandwidth, whichever is larger, plus an optional fixed overhead per step

@@ -1,5 +1,5 @@
 """The simulator's fast path: the same steps as the step-by-step loop, far less work per step
-(chapter 3.3).
+(:ref:`ch03-simulating`).
 
 In a busy engine most running requests are decoding, and a decode step changes each of them
 in one predictable way: one more token, at the step's end. The step-by-step loop

@@ -1,4 +1,4 @@
-"""Serving metrics with ``vllm bench serve``'s names and definitions (chapter 3.3).
+"""Serving metrics with ``vllm bench serve``'s names and definitions (:ref:`ch03-simulating`).
 
 - TTFT: arrival to first output token. TPOT: the rest of the request's time divided by the
   rest of its tokens. ITL: every gap between consecutive tokens. E2EL: arrival to last token.

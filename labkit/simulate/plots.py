@@ -1,4 +1,4 @@
-"""Plots for chapter 3.3: memory over time, latency distributions, the rate sweep."""
+"""Plots for :ref:`ch03-simulating`: memory over time, latency distributions, the rate sweep."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a simulation returns (chapter 3.3): the requests, and a record of every step."""
+"""What a simulation returns (:ref:`ch03-simulating`): the requests, and a record of every step."""
 
 from __future__ import annotations
 

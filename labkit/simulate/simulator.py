@@ -1,4 +1,4 @@
-"""A discrete-event simulator of one serving engine (chapter 3.3).
+"""A discrete-event simulator of one serving engine (:ref:`ch03-simulating`).
 
 Events sit in a heap ordered by time: request arrivals, and the end of the step the engine is
 running. Whenever the engine is idle and has work, it asks the scheduler for a batch and the

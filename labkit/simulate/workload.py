@@ -1,4 +1,4 @@
-"""Workloads for the serving simulator (chapter 3.3).
+"""Workloads for the serving simulator (:ref:`ch03-simulating`).
 
 Arrivals follow ``vllm bench serve``: gaps drawn from a gamma distribution with shape
 ``burstiness`` and mean ``1 / request_rate``; burstiness 1 is a Poisson process, lower is
