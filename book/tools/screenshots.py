@@ -17,8 +17,9 @@ Requests that leave loopback are blocked (the book is meant to work offline) and
 notes, not failures. A page that only forwards elsewhere (Jupyter Book's ``index.html``) gets no
 screenshot; its target must exist.
 
-Set up (once), without touching the project's ``.venv``; Playwright drives a Chromium that is
-already installed, so nothing is downloaded besides the Python package::
+``make screenshots`` builds the book and runs this. By hand, set up once, without touching
+the project's ``.venv``; Playwright drives a Chromium that is already installed, so nothing is
+downloaded besides the Python package::
 
     apt-get install -y chromium            # Debian's Chromium (or pass --chromium PATH)
     python3 -m venv .venv-screenshots
