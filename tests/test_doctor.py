@@ -1,5 +1,7 @@
 """``labkit doctor``: every lab is in its table, and its verdicts follow the machine."""
 
+import ast
+import json
 import re
 from pathlib import Path
 
@@ -30,6 +32,40 @@ def test_the_stacks_in_the_table_are_the_ones_the_lab_installs(lab):
     text = (LABS_DIR / f"{lab}.ipynb").read_text()
     ensured = set(re.findall(r"stacks\.ensure\(\\?[\"']([a-z]+)\\?[\"']\)", text))
     assert ensured == set(doctor.LABS[lab].stacks)
+
+
+HEAVY = {"torch", "transformers", "llmcompressor", "awq"}  # the reference stacks' modules
+#: The only labkit modules that import them: the quantization tools of lab 04, which installs
+#: them first (``stacks.ensure``), and the job that runs inside .venv-awq.
+HEAVY_IMPORTERS = {"labkit/quant/tools.py", "labkit/quant/autoawq_job.py"}
+
+
+def _imported(source: str) -> set[str]:
+    tree = ast.parse(source)
+    return ({alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+            | {node.module.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module and not node.level})
+
+
+@pytest.mark.parametrize("lab", NOTEBOOKS)
+def test_a_lab_that_installs_no_stack_imports_none(lab):
+    """`make lab` installs no reference stack: a lab whose row names none must not need one,
+    neither in its own cells nor through labkit (checked below)."""
+    if doctor.LABS[lab].stacks:
+        pytest.skip("installs its stacks first")
+    notebook = json.loads((LABS_DIR / f"{lab}.ipynb").read_text())
+    cells = ["\n".join(line for line in "".join(c["source"]).splitlines()
+                       if not line.lstrip().startswith(("%", "!")))  # IPython magics
+             for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert not set().union(*map(_imported, cells)) & HEAVY
+
+
+def test_only_the_quantization_tools_import_the_reference_stacks():
+    root = LABS_DIR.parent
+    importers = {p.relative_to(root).as_posix() for p in (root / "labkit").rglob("*.py")
+                 if _imported(p.read_text(encoding="utf-8")) & HEAVY}
+    assert importers == HEAVY_IMPORTERS
 
 
 def test_paths_follow_the_machine(monkeypatch):
