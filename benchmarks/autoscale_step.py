@@ -60,7 +60,8 @@ from labkit.autoscale.controller import ProcessAutoscaler
 from labkit.autoscale.hpa import HPAScalingPolicy, HPAScalingRules, HorizontalPodAutoscaler
 from labkit.autoscale.observation import WAITING
 from labkit.engine import write_tiny_model
-from labkit.launch import ServeConfig, free_port
+from labkit.launch import ServeConfig
+from labkit.process import free_port
 
 MODEL = "tiny"
 
@@ -70,9 +71,9 @@ def serve_gateway(port: int) -> None:
     (it never sheds load; ``labkit gateway`` on the command line needs a first backend)."""
     import uvicorn
 
-    from labkit.gateway import Gateway
+    from labkit.gateway import Gateway, GatewayConfig
 
-    uvicorn.run(Gateway([], "least_requests").app, host="127.0.0.1", port=port,
+    uvicorn.run(Gateway([], GatewayConfig("least_requests")).app, host="127.0.0.1", port=port,
                 log_level="warning", timeout_graceful_shutdown=2)
 
 

@@ -8,17 +8,20 @@ long-tailed prompt and output lengths; both schedulers share the KV capacity vLL
 
 from __future__ import annotations
 
+import numpy as np
+
 from labkit.hardware import plan_kv_cache
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling import Scheduler, SchedulerConfig, StaticBatchScheduler
-from labkit.simulate import RooflineCost, random_workload, sample_lengths, simulate
+from labkit.simulate import RooflineCost, Workload, sample_lengths, simulate
 
 N, RATE = 1000, 10.0
 
 
 def workload():
-    return random_workload(N, RATE, sample_lengths("lognormal", N, 1, mean=400, high=4000),
-                           sample_lengths("lognormal", N, 2, mean=200, high=2000), seed=42)
+    return Workload(np.zeros(N), sample_lengths("lognormal", N, 1, mean=400, high=4000),
+                    sample_lengths("lognormal", N, 2, mean=200, high=2000),
+                    seed=42).at_rate(RATE).requests()
 
 
 def main() -> None:

@@ -2,13 +2,14 @@
 
 One ``labkit serve`` backend (the tiny model), and in front of it, each in its own process:
 ``labkit gateway`` with the round-robin strategy and with the default endpoint picker, and
-the vLLM project's ``vllm-router`` (round robin; :func:`labkit.gateway.vllm_router.
-start_router`). A few hundred streamed requests go one at a time to each target in turn
-(direct, then each gateway, then direct again ...), so that drifts in the machine's load touch
-every target alike. TTFT is measured at the client, from sending the request to the first
-event that carries a token. Printed: p50 and p90 TTFT per target, the gateway's added TTFT
-(its p50 less the direct p50; the goal for labkit.gateway is under 2 ms on loopback) and the
-ratio to the direct TTFT. Nothing is asserted: the numbers move with whatever else runs.
+the vLLM project's ``vllm-router`` (round robin;
+:func:`labkit.harness.vllm_router.start_router`). A few hundred streamed requests go one at a
+time to each target in turn (direct, then each gateway, then direct again ...), so that drifts
+in the machine's load touch every target alike. TTFT is measured at the client, from sending
+the request to the first event that carries a token. Printed: p50 and p90 TTFT per target, the
+gateway's added TTFT (its p50 less the direct p50; the goal for labkit.gateway is under 2 ms on
+loopback) and the ratio to the direct TTFT. Nothing is asserted: the numbers move with
+whatever else runs.
 
     python benchmarks/gateway_overhead.py [--requests 300]
 """
@@ -26,17 +27,18 @@ import httpx
 import numpy as np
 
 from labkit.engine import write_tiny_model
-from labkit.gateway.vllm_router import start_router
-from labkit.launch import ServeConfig, ServerProcess, command_for, free_port
+from labkit.harness.fleet import gateway_command
+from labkit.harness.vllm_router import start_router
+from labkit.launch import ServeConfig, command_for
+from labkit.process import ServerProcess, free_port
 
 MODEL = "tiny"
 
 
 def gateway_process(backend: str, strategy: str) -> ServerProcess:
     port = free_port()
-    command = [sys.executable, "-m", "labkit.cli", "gateway", "--backend", backend,
-               "--strategy", strategy, "--port", str(port)]
-    return ServerProcess(command, f"http://127.0.0.1:{port}", startup_timeout_s=60)
+    return ServerProcess(gateway_command([backend], strategy, port), f"http://127.0.0.1:{port}",
+                         startup_timeout_s=60)
 
 
 def ttft_s(client: httpx.Client, base_url: str, prompt: str) -> float:

@@ -7,7 +7,7 @@ costlier). In front of them, one at a time: ``labkit gateway`` with ``round_robi
 ``cache_aware``. Each router gets the same chat workload from freshly restarted backends
 (empty caches, counters at 0): ``--conversations`` sessions of ``--turns`` turns, every turn
 resending the whole history with the model's own replies, ``--concurrency`` turns in flight
-(:mod:`labkit.gateway.loadgen`, the helpers of lab 05a, which runs the same measurement
+(:mod:`labkit.harness.load`, the helpers of lab 05a, which runs the same measurement
 smaller).
 
 Printed per router: the fleet's prefix-cache hit rate (prompt tokens found over prompt tokens
@@ -41,9 +41,10 @@ import sys
 import tempfile
 
 from labkit.engine import write_tiny_model
-from labkit.gateway.loadgen import BackendFleet, PrefixRun, chat_workload, prefix_run, start_gateway
-from labkit.gateway.vllm_router import start_router
-from labkit.launch import kv_cache_reported
+from labkit.harness.fleet import BackendFleet, start_gateway
+from labkit.harness.lab_engines import kv_cache_reported
+from labkit.harness.load import PrefixRun, chat_workload, prefix_run
+from labkit.harness.vllm_router import start_router
 
 
 async def measure(fleet: BackendFleet, conversations, args) -> dict[str, PrefixRun]:

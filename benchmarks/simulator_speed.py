@@ -21,11 +21,12 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
+
 from labkit.hardware import plan_kv_cache
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling import Request, Scheduler, SchedulerConfig
-from labkit.simulate import (RooflineCost, multi_turn_workload, random_workload, sample_lengths,
-                             simulate)
+from labkit.simulate import RooflineCost, Workload, multi_turn_workload, sample_lengths, simulate
 from labkit.simulate.metrics import RequestLatencies
 
 # ``python benchmarks/simulator_speed.py`` before the fast path (the step-by-step loop only),
@@ -43,8 +44,9 @@ REPEATS = 3        # fast-path runs per figure; the median is reported
 
 def workload(n: int, rate: float = 20.0) -> list[Request]:
     """The first ``n`` requests of one fixed workload (the same seeds for any ``n``)."""
-    return random_workload(n, rate, sample_lengths("lognormal", n, 1, mean=500, high=4000),
-                           sample_lengths("lognormal", n, 2, mean=200, high=2000), seed=0)
+    return Workload(np.zeros(n), sample_lengths("lognormal", n, 1, mean=500, high=4000),
+                    sample_lengths("lognormal", n, 2, mean=200, high=2000),
+                    seed=0).at_rate(rate).requests()
 
 
 def outcome(requests: list[Request], scheduler: Scheduler, result) -> tuple:

@@ -31,9 +31,11 @@ import tempfile
 from pathlib import Path
 
 from labkit import lab, vllm_cpu
-from labkit.bench import BenchRequest, benchmark, random_dataset
-from labkit.launch import (ServeConfig, ServerProcess, command_for, free_port, lab_model,
-                           vllm_command)
+from labkit.bench import benchmark
+from labkit.simulate import Workload, random_dataset
+from labkit.launch import ServeConfig, command_for, vllm_command
+from labkit.harness.lab_engines import lab_model
+from labkit.process import ServerProcess, free_port
 
 NUM_PROMPTS, INPUT_WORDS, OUTPUT_LEN, MAX_CONCURRENCY = 64, 64, 128, 8
 MODEL = "course-model"
@@ -49,12 +51,13 @@ COLUMNS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("output_throughput", "out tok/s"))
 
 
-def write_sharegpt(requests: list[BenchRequest], path: Path) -> None:
-    """The prompts as a ShareGPT file, a format vLLM's benchmark reads without pandas (its
-    ``custom`` JSONL loader needs pandas, which vLLM's CPU environment lacks). The second
-    turn is required by the loader and unused: ``--sharegpt-output-len`` sets the length."""
+def write_sharegpt(workload: Workload, path: Path) -> None:
+    """The workload's prompts (its text view) as a ShareGPT file, a format vLLM's benchmark
+    reads without pandas (its ``custom`` JSONL loader needs pandas, which vLLM's CPU
+    environment lacks). The second turn is required by the loader and unused:
+    ``--sharegpt-output-len`` sets the length."""
     rows = [{"conversations": [{"from": "human", "value": r.prompt},
-                               {"from": "gpt", "value": ""}]} for r in requests]
+                               {"from": "gpt", "value": ""}]} for r in workload.bench_requests()]
     path.write_text(json.dumps(rows), encoding="utf-8")
 
 
@@ -75,7 +78,7 @@ def vllm_bench(python: str, base_url: str, model_dir: str, dataset: Path,
     return json.loads(result.read_text())
 
 
-def measure(base_url: str, requests: list[BenchRequest], python: str, model_dir: str,
+def measure(base_url: str, requests: Workload, python: str, model_dir: str,
             dataset: Path, out_dir: Path) -> dict[str, dict]:
     """Both clients on one running server, after a warm-up: client -> numbers by key."""
     benchmark(base_url, MODEL, requests[:MAX_CONCURRENCY], max_concurrency=MAX_CONCURRENCY)
@@ -92,7 +95,7 @@ def measure(base_url: str, requests: list[BenchRequest], python: str, model_dir:
             "vllm bench": {key: theirs[key] for key, _ in COLUMNS}}
 
 
-def serve_and_measure(engine: str, path: lab.LabPath, requests: list[BenchRequest],
+def serve_and_measure(engine: str, path: lab.LabPath, requests: Workload,
                       dataset: Path, out_dir: Path) -> dict[str, dict]:
     cfg = ServeConfig(model=lab_model("vllm", path), served_model_name=MODEL, port=free_port(),
                       max_model_len=1024, extra_args=("--no-enable-prefix-caching",))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from labkit.checks import ParameterError
 from labkit.units import cdiv
 
 
@@ -30,7 +31,8 @@ class PagedKVStore:
         """The cache slot of each token position ``start..stop-1``: ``block * block_size +
         offset`` through the block table (vLLM's ``slot_mapping``)."""
         if stop > len(block_table) * self.block_size:
-            raise ValueError(f"positions up to {stop} need more than {len(block_table)} blocks")
+            raise ParameterError("block_table", f"block_table: positions up to {stop} need more "
+                                                f"than {len(block_table)} blocks")
         logical, offsets = np.divmod(np.arange(start, stop), self.block_size)
         return np.asarray(block_table, dtype=np.int64)[logical] * self.block_size + offsets
 
@@ -84,7 +86,8 @@ def paged_attention(q: np.ndarray, store: PagedKVStore, block_table: Sequence[in
     One sequence of :func:`batched_paged_attention`: ``q`` is ``[n, heads, dim]``.
     """
     if not 1 <= len(q) <= context_len:
-        raise ValueError(f"need 1 <= len(q) <= context_len, got {len(q)} and {context_len}")
+        raise ParameterError("q", f"q must have 1 to context_len ({context_len}) tokens, got "
+                                  f"{len(q)}")
     return batched_paged_attention(q[None], store, [block_table], [context_len],
                                    tile_tokens)[0]
 
@@ -147,7 +150,8 @@ def _pad_tables(block_tables: Sequence[Sequence[int]], context_lens: np.ndarray,
                       dtype=np.int64)
     for row, table, length in zip(tables, block_tables, context_lens, strict=True):
         if length > len(table) * block_size:
-            raise ValueError(f"positions up to {length} need more than {len(table)} blocks")
+            raise ParameterError("block_tables", f"block_tables: positions up to {length} need "
+                                                 f"more than {len(table)} blocks")
         row[:len(table)] = table[:len(row)]
     return tables
 
@@ -155,5 +159,6 @@ def _pad_tables(block_tables: Sequence[Sequence[int]], context_lens: np.ndarray,
 def _gqa_group(heads: int, kv_heads: int) -> int:
     """Query heads per KV head (grouped-query attention); they must divide evenly."""
     if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+        raise ParameterError("q", f"q: query heads ({heads}) must be a multiple of KV heads "
+                                  f"({kv_heads})")
     return heads // kv_heads

@@ -14,51 +14,17 @@ time after the first chunk over the server's count of the tokens after the first
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
-from labkit.checks import in_range, positive_int
+from labkit.checks import ParameterError, positive_int
+from labkit.http.client import client_pool
+from labkit.http.sse import IncompleteStream, read_events
 from labkit.simulate.metrics import BenchmarkResult, RequestLatencies, summarize_latencies
-from labkit.simulate.workload import arrival_times
-
-_WORDS = ("the cache holds keys and values for every token of every sequence while the "
-          "scheduler batches requests and the kernels read weights from memory").split()
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One prompt to send and how many tokens to ask for."""
-
-    prompt: str
-    max_tokens: int
-
-
-def random_dataset(num_prompts: int, input_words: int, output_len: int,
-                   range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
-    """Random prompts of about ``input_words`` words (uniform within ``range_ratio``)."""
-    in_range("range_ratio", range_ratio, 0, 1, high_open=True)
-    rng = np.random.default_rng(seed)
-    low = max(1, round(input_words * (1 - range_ratio)))
-    high = round(input_words * (1 + range_ratio))
-    return [BenchRequest(" ".join(rng.choice(_WORDS, size=int(rng.integers(low, high + 1)))),
-                         output_len) for _ in range(num_prompts)]
-
-
-def shared_prefix_dataset(num_prompts: int, prefix_words: int, suffix_words: int,
-                          output_len: int, num_prefixes: int = 1,
-                          seed: int = 0) -> list[BenchRequest]:
-    """Prompts that share one of ``num_prefixes`` long prefixes: a prefix-cache workload."""
-    rng = np.random.default_rng(seed)
-    prefixes = [" ".join(rng.choice(_WORDS, size=prefix_words)) for _ in range(num_prefixes)]
-    return [BenchRequest(prefixes[i % num_prefixes] + " "
-                         + " ".join(rng.choice(_WORDS, size=suffix_words)), output_len)
-            for i in range(num_prompts)]
+from labkit.simulate.workload import BenchRequest, Workload
 
 
 def request_latencies(request_id: str, prompt_tokens: int, output_tokens: int, start_s: float,
@@ -70,7 +36,8 @@ def request_latencies(request_id: str, prompt_tokens: int, output_tokens: int, s
     chunks brought them. With one token per chunk it equals the mean ITL.
     """
     if not chunk_times_s:
-        raise ValueError(f"request {request_id!r} received no token")
+        raise ParameterError("chunk_times_s", f"chunk_times_s must hold at least one time: "
+                                              f"request {request_id!r} received no token")
     positive_int("output_tokens", output_tokens)
     ttft_s, e2el_s = chunk_times_s[0] - start_s, chunk_times_s[-1] - start_s
     tpot_s = (e2el_s - ttft_s) / (output_tokens - 1) if output_tokens > 1 else 0.0
@@ -87,35 +54,42 @@ async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return None
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                chunk_times.append(time.perf_counter())
+        try:
+            async for chunk in read_events(response.aiter_lines()):
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    chunk_times.append(time.perf_counter())
+        except IncompleteStream:
+            pass  # as in vllm bench serve, what arrived before the cut still counts
     if not chunk_times or usage is None:
         return None
     return request_latencies(f"bench-{index}", usage["prompt_tokens"],
                              usage["completion_tokens"], start, chunk_times)
 
 
-async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchRequest],
-                          request_rate: float = math.inf, burstiness: float = 1.0,
-                          max_concurrency: int | None = None, seed: int = 0,
+async def benchmark_async(base_url: str, model: str, workload: Workload,
+                          request_rate: float | None = None, burstiness: float = 1.0,
+                          max_concurrency: int | None = None,
                           slos_ms: Mapping[str, float] | None = None,
                           progress: bool = False) -> BenchmarkResult:
-    """Send ``requests`` to ``base_url`` and summarize what was measured."""
+    """Send ``workload`` to ``base_url`` and summarize what was measured.
+
+    Each request leaves at its arrival time, or, given ``request_rate`` (and
+    ``burstiness``), at the times :meth:`~labkit.simulate.Workload.at_rate` draws, as
+    ``vllm bench serve --request-rate --burstiness`` sends; at most ``max_concurrency`` are
+    open at once. Prompts are the workload's text view
+    (:meth:`~labkit.simulate.Workload.bench_requests`).
+    """
     if max_concurrency is not None:
         positive_int("max_concurrency", max_concurrency)
     from tqdm.auto import tqdm
 
-    gate = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-    send_at = arrival_times(len(requests), request_rate, burstiness, seed)
+    if request_rate is not None:
+        workload = workload.at_rate(request_rate, burstiness)
+    requests, send_at = workload.bench_requests(), workload.arrival_s
     bar = tqdm(total=len(requests), disable=not progress, desc="requests")
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
-    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as http:
+    async with client_pool(base_url, max_concurrency or len(requests) or 1) as (http, gate):
         start = time.perf_counter()
 
         async def send(i: int, request: BenchRequest):
@@ -132,15 +106,15 @@ async def benchmark_async(base_url: str, model: str, requests: Sequence[BenchReq
     return summarize_latencies(completed, duration, slos_ms)
 
 
-def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
+def benchmark(base_url: str, model: str, workload: Workload,
               **kwargs) -> BenchmarkResult:
     """Blocking :func:`benchmark_async`; in Jupyter use ``await benchmark_async(...)``."""
-    return asyncio.run(benchmark_async(base_url, model, requests, **kwargs))
+    return asyncio.run(benchmark_async(base_url, model, workload, **kwargs))
 
 
-async def sweep_async(base_url: str, model: str, requests: Sequence[BenchRequest],
+async def sweep_async(base_url: str, model: str, workload: Workload,
                       request_rates: Sequence[float],
                       **kwargs) -> list[tuple[float, BenchmarkResult]]:
     """One benchmark per request rate: the throughput-latency curve of a real server."""
-    return [(rate, await benchmark_async(base_url, model, requests, request_rate=rate, **kwargs))
+    return [(rate, await benchmark_async(base_url, model, workload, request_rate=rate, **kwargs))
             for rate in request_rates]

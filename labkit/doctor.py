@@ -50,7 +50,7 @@ LABS: dict[str, LabNeeds] = {
     "04_quantization_tools": LabNeeds("vllm", (("openai", "serve"),), stacks=("ref", "awq")),
     "05_gateway": LabNeeds(modules=GATEWAY),
     "05_autoscaling": LabNeeds(modules=GATEWAY),
-    "06_cost": LabNeeds(),
+    "06_cost": LabNeeds("vllm", SERVE),
     "06_gpu_sharing": LabNeeds(modules=SERVE),
     "07_tco": LabNeeds(),
     "08_deploy": LabNeeds("vllm", GATEWAY),

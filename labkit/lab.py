@@ -11,7 +11,8 @@ A lab whose subject is an inference engine runs, through the same cells:
 3. **labkit's teaching engine** everywhere else (SGLang and TensorRT-LLM have no CPU build).
 
 ``LABKIT_ENGINE_PATH=teaching`` forces the third path (the tests use it to keep both CPU paths
-green). Detection imports no engine: importing vLLM takes seconds and may grab a GPU.
+green). Detection imports no engine: importing vLLM takes seconds and may grab a GPU. This
+module only looks; :mod:`labkit.harness.lab_engines` starts the engine the path names.
 """
 
 from __future__ import annotations

@@ -20,20 +20,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from labkit.checks import positive_int
-from labkit.engine.llm_engine import pair_prompts
+from labkit.checks import ParameterError, positive_int
+from labkit.engine.llm import pair_prompts
 from labkit.engine.outputs import CompletionOutput, RequestOutput
-from labkit.launch import parent_death_hook
 from labkit.engine.sampling import SamplingParams
-from labkit.hardware import ModelSpec, kv_cache_bytes_per_token
-from labkit.units import cdiv
+from labkit.hardware import ModelSpec, kv_cache_bytes_per_token, max_concurrency
+from labkit.process import kill_group, parent_death_hook
 
 #: GiB of host memory for vLLM's KV cache on CPU (its ``VLLM_CPU_KVCACHE_SPACE``).
 KV_CACHE_SPACE_GIB = 1
@@ -68,10 +66,15 @@ def cpu_env(kv_cache_space_gib: float = KV_CACHE_SPACE_GIB) -> dict[str, str]:
 def server_command(python: str, vllm_serve: Sequence[str]) -> list[str]:
     """``vllm serve MODEL FLAGS...`` (from :func:`labkit.launch.vllm_command`) as the CPU
     build runs it: ``PYTHON -m vllm.entrypoints.openai.api_server --model MODEL FLAGS...``."""
-    if list(vllm_serve[:2]) != ["vllm", "serve"]:
-        raise ValueError(f"vllm_serve must start with 'vllm serve', got {vllm_serve[:2]}")
+    _check_vllm_serve(vllm_serve)
     model, *flags = vllm_serve[2:]
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *flags]
+
+
+def _check_vllm_serve(vllm_serve: Sequence[str]) -> None:
+    if list(vllm_serve[:2]) != ["vllm", "serve"] or len(vllm_serve) < 3:
+        raise ParameterError("vllm_serve", f"vllm_serve must start with 'vllm serve' and the "
+                                           f"model, got {list(vllm_serve[:3])}")
 
 
 class RemoteLLM:
@@ -122,12 +125,12 @@ class RemoteLLM:
             try:
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                _kill_group(self._process)
+                kill_group(self._process)  # vLLM's engine runs in the worker's children
 
     def __del__(self) -> None:
         process = getattr(self, "_process", None)
         if process is not None and process.poll() is None:
-            _kill_group(process)
+            kill_group(process)
 
     def _call(self, request: dict) -> dict:
         self._process.stdin.write(json.dumps(request) + "\n")
@@ -140,15 +143,6 @@ class RemoteLLM:
         if "error" in answer:
             raise RuntimeError(f"vLLM: {answer['error']}")
         return answer
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """vLLM's engine runs in child processes: end the worker's whole process group."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    process.wait()
 
 
 # -- additions for the chapter 2 and 3 labs -------------------------------------------------
@@ -171,8 +165,9 @@ def omp_threads_bind(world_size: int, cpus: Sequence[int] | None = None) -> str:
     """
     cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if positive_int("world_size", world_size) > len(cpus):
-        raise ValueError(f"world_size: {world_size} ranks need {world_size} CPUs, "
-                         f"this process may use {len(cpus)}")
+        raise ParameterError("world_size", f"world_size must be at most the {len(cpus)} CPUs "
+                                           f"this process may use: {world_size} ranks need "
+                                           f"{world_size} CPUs")
     per_rank = len(cpus) // world_size
     return "|".join(",".join(str(c) for c in cpus[r * per_rank:(r + 1) * per_rank])
                     for r in range(world_size))
@@ -202,8 +197,9 @@ class CPUKVCache:
 
     @property
     def max_concurrency(self) -> float:
-        """vLLM's "Maximum concurrency for max_model_len tokens per request"."""
-        return self.num_blocks / cdiv(self.max_model_len, self.block_size)
+        """vLLM's "Maximum concurrency for max_model_len tokens per request"
+        (:func:`labkit.hardware.max_concurrency`)."""
+        return max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
 
     @property
     def tokens(self) -> int:
@@ -221,7 +217,7 @@ def plan_cpu_kv_cache(model: ModelSpec | str, max_model_len: int, dtype: str = "
     parallelism multiplies the tokens that fit. ``dtype`` is vLLM's ``--dtype``.
     """
     if dtype not in KV_DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(KV_DTYPES)}, got {dtype!r}")
+        raise ParameterError("dtype", f"dtype must be one of {tuple(KV_DTYPES)}, got {dtype!r}")
     per_token = kv_cache_bytes_per_token(model, KV_DTYPES[dtype], tensor_parallel_size)
     return CPUKVCache(kv_cache_space_gib, per_token, block_size,
                       positive_int("max_model_len", max_model_len))
@@ -266,12 +262,13 @@ print(json.dumps({k: getattr(args, k, None) for k in json.loads(sys.argv[2])}))
 def parse_serve_command(python: str, vllm_serve: Sequence[str]) -> dict:
     """Parse ``vllm serve MODEL FLAGS...`` with vLLM's own argument parser, in the environment
     of ``python`` (vLLM's CPU build): the options of :data:`PARSED_OPTIONS` as vLLM read them.
-    Raises ``ValueError`` with vLLM's message if it rejects the command."""
-    if list(vllm_serve[:2]) != ["vllm", "serve"]:
-        raise ValueError(f"vllm_serve must start with 'vllm serve', got {vllm_serve[:2]}")
+    Raises :class:`~labkit.checks.ParameterError` (``vllm_serve``) with vLLM's message if it
+    rejects the command."""
+    _check_vllm_serve(vllm_serve)
     argv = ["--model", vllm_serve[2], *vllm_serve[3:]]
     done = subprocess.run([python, "-c", _PARSE, json.dumps(argv), json.dumps(PARSED_OPTIONS)],
                           capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-        raise ValueError(f"vLLM's parser rejected the command:\n{done.stderr[-2000:]}")
+        raise ParameterError("vllm_serve", f"vllm_serve: vLLM's parser rejected the command:\n"
+                                           f"{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

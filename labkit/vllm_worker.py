@@ -27,6 +27,10 @@ def _output(out) -> dict:
 
 
 def main() -> None:
+    # Run as a script, this file's folder (labkit/) comes first on sys.path, and its http/
+    # package would shadow the standard library's for everything vLLM imports.
+    if os.path.samefile(sys.path[0] or ".", os.path.dirname(os.path.abspath(__file__))):
+        del sys.path[0]
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's logs and prints go to stderr from here on
     from vllm import LLM, SamplingParams

@@ -16,7 +16,7 @@ def serve_asgi(app):
     thread; yields the base URL and stops the server on exit."""
     import uvicorn
 
-    from labkit.launch import free_port
+    from labkit.process import free_port, wait_until
 
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
@@ -24,10 +24,7 @@ def serve_asgi(app):
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not server.started:
-        time.sleep(0.02)
-    assert server.started, "the test server did not start"
+    wait_until(lambda: server.started, 30, 0.02, what="the test server started")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -64,7 +61,7 @@ def serve_tiny_model(model_dir, served_model_name="tiny", **engine_args):
 # -- one real vLLM server (vLLM's CPU build) for the whole run ----------------------------
 # Starting vLLM takes about a minute, so the engine labs and the side-by-side tests share one,
 # started only when something collected needs it, and announced to the labs' kernels through
-# the environment (labkit.launch.start_lab_server attaches to it).
+# the environment (labkit.harness.lab_engines.start_lab_server attaches to it).
 
 _shared = {}
 
@@ -87,8 +84,10 @@ def pytest_collection_finish(session):
     path = lab.detect()
     if path.runs("vllm") != "cpu" or not any(_wants_vllm(item) for item in session.items):
         return
-    from labkit.launch import (LAB_SERVER_DEFAULTS, SHARED_VLLM_LOG, SHARED_VLLM_URL,
-                               ServeConfig, free_port, lab_model, start_server)
+    from labkit.harness.lab_engines import (LAB_SERVER_DEFAULTS, SHARED_VLLM_LOG, SHARED_VLLM_URL,
+                                            lab_model, start_server)
+    from labkit.launch import ServeConfig
+    from labkit.process import free_port
 
     cfg = ServeConfig(model=lab_model("vllm", path), port=free_port(), **LAB_SERVER_DEFAULTS)
     started = time.monotonic()

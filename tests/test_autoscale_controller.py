@@ -28,8 +28,10 @@ from labkit.autoscale.hpa import HPAScalingPolicy, HPAScalingRules, HorizontalPo
 from labkit.autoscale.observation import WAITING
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
-from labkit.gateway import Gateway
+from labkit.gateway import Gateway, GatewayConfig
+from labkit.harness.steps import StepLoad, empty_gateway_command
 from labkit.launch import ServeConfig
+from labkit.process import ServerProcess, free_port
 
 MODEL = "tiny"
 #: Scale down only after 3 s of lower recommendations (Kubernetes: 300 s), all at once.
@@ -46,7 +48,7 @@ def tiny(tmp_path_factory):
 def serve_gateway():
     """An empty ``least_requests`` gateway on a free loopback port: yields its URL and the
     :class:`Gateway` (to read its books)."""
-    gateway = Gateway([], "least_requests")
+    gateway = Gateway([], GatewayConfig("least_requests"))
     with serve_asgi(gateway.app) as base:
         yield base, gateway
 
@@ -356,3 +358,25 @@ def test_replicas_that_cannot_start_back_off_and_leave_nothing_running(tiny, tmp
             ProcessAutoscaler(base, hpa(), serve).start()
     assert names == ["replica-0", "replica-1"]  # no third start within the backoff
     assert all(gone(pid) for pid in pids(scaler))
+
+
+# -- the lab's harness (labkit.harness.steps) -------------------------------------------------
+
+def test_the_empty_gateway_of_an_autoscaled_fleet_starts_and_lists_no_worker():
+    port = free_port()
+    with ServerProcess(empty_gateway_command(port), f"http://127.0.0.1:{port}",
+                       startup_timeout_s=60, ready_path="/list_workers") as gateway:
+        assert httpx.get(gateway.base_url + "/list_workers",
+                         trust_env=False).json()["urls"] == []
+        assert httpx.get(gateway.base_url + "/health", trust_env=False).status_code == 503
+    assert gone(gateway.process.pid)
+
+
+@pytest.mark.parametrize("param, overrides", [
+    ("base_users", {"base_users": -1}), ("step_users", {"base_users": 8, "step_users": 4}),
+    ("max_hold_s", {"hold_s": 20, "max_hold_s": 10}), ("sample_s", {"sample_s": 0}),
+])
+def test_step_load_parameters_name_the_field(param, overrides):
+    with pytest.raises(ParameterError) as err:
+        StepLoad(**overrides)
+    assert err.value.param == param

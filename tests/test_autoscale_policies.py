@@ -6,8 +6,8 @@ import pytest
 from labkit.autoscale import (CONCURRENCY, GPU_UTILIZATION, WAITING, GPUMetric,
                               HorizontalPodAutoscaler, HPAScalingPolicy, HPAScalingRules,
                               KedaAutoscaler, KnativePodAutoscaler, Observation, PodMetrics,
-                              ThresholdPolicy, ThresholdRule, TutorialAutoScaler,
-                              threshold_demo, tutorial_demo)
+                              ThresholdPolicy, ThresholdRule, threshold_demo)
+from labkit.tutorial.ch05_autoscaling import TutorialAutoScaler, tutorial_demo
 from labkit.checks import ParameterError
 
 values = Observation.from_values

@@ -5,10 +5,11 @@ import pytest
 
 from labkit.autoscale import (COLD_START_S, GPU_UTILIZATION, RUNNING, WAITING, FleetConfig,
                               HorizontalPodAutoscaler, KedaAutoscaler, KnativePodAutoscaler,
-                              ThresholdPolicy, ThresholdRule, Trace, bursty_trace,
+                              ThresholdPolicy, ThresholdRule, bursty_trace,
                               compare_policies, comparison_table, diurnal_trace,
                               simulate_autoscaling, step_trace, trace_from_rate)
 from labkit.checks import ParameterError
+from labkit.simulate import Workload
 
 SHORT = dict(input_len=256, output_len=32)  # short requests keep the runs fast
 
@@ -101,7 +102,7 @@ def test_step_trace_and_rate_checks():
     with pytest.raises(ParameterError, match="rate"):
         trace_from_rate(lambda t: np.full_like(t, 5.0), 4.0, 10.0)
     with pytest.raises(ParameterError, match="arrival_s"):
-        Trace([2.0, 1.0], [1, 1], [1, 1], 10.0)
+        Workload([2.0, 1.0], [1, 1], [1, 1], 10.0)
 
 
 # --- the fleet ----------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ def test_bad_policies_and_traces_are_refused(fleet):
         simulate_autoscaling(trace, Fixed(0), fleet, initial_replicas=0, overrun_s=60)
     with pytest.raises(ParameterError, match="replicas from policy"):
         simulate_autoscaling(trace, Fixed(-1), fleet)
-    long = Trace([0.0], [8000], [500], 10.0)
+    long = Workload([0.0], [8000], [500], 10.0)
     with pytest.raises(ParameterError) as err:
         simulate_autoscaling(long, Fixed(1), fleet)
     assert err.value.param == "trace"

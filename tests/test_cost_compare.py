@@ -5,15 +5,18 @@ import math
 
 import pytest
 
-from labkit.autoscale import step_trace
+from labkit.autoscale import FleetConfig, step_trace
 from labkit.checks import ParameterError
-from labkit.cost.capacity import Deployment, LatencySLO, SLOCapacity, Workload, max_rate_at_slo
+from labkit.cost.capacity import LatencySLO, SLOCapacity, max_rate_at_slo
+from labkit.simulate import Workload
+from labkit.simulate.deployment import Deployment
 from labkit.cost.compare import (TrafficProfile, autoscaled_fleet_cost, compare_deployments,
                                  comparison_table, fixed_fleet_cost, monthly_cost_usd,
                                  replicas_needed)
 from labkit.cost.prices import GPUPrice
-from labkit.cost.tutorial_ch6 import (tutorial_compare_deployment, tutorial_gpu_count,
-                                      tutorial_monthly_cost)
+from labkit.hardware import plan_kv_cache
+from labkit.tutorial.ch06_cost import (tutorial_compare_deployment, tutorial_gpu_count,
+                                       tutorial_monthly_cost)
 
 
 @pytest.mark.parametrize("peak, per_replica, expected", [
@@ -29,7 +32,7 @@ def test_replicas_needed_rounds_up(peak, per_replica, expected):
 def test_replicas_needed_refuses_a_replica_that_serves_nothing():
     with pytest.raises(ParameterError) as err:
         replicas_needed(10.0, 0.0)
-    assert err.value.param == "max_request_rate_per_replica"
+    assert err.value.param == "rate_per_replica"
 
 
 def test_monthly_cost_pays_every_hour():
@@ -145,3 +148,19 @@ def test_autoscaled_fleet_bills_the_replica_hours_it_held():
                                  LatencySLO(1e-3, 1e-3), SMALL)
     with pytest.raises(ParameterError):
         autoscaled_fleet_cost(infeasible, trace, 1.0)
+
+
+def test_a_fleet_is_replicas_of_the_deployment_chapter_6_prices():
+    # One record for a replica: chapter 5's fleet takes the Deployment itself, and each of
+    # its replicas gets the KV cache vLLM would allocate for it (chapter 1's plan) and vLLM's
+    # scheduler defaults for the GPU (256 sequences, 2048 batched tokens on an L4).
+    deployment = Deployment("Llama-3-8B", "L4", max_model_len=4096)
+    fleet = FleetConfig(deployment, cold_start_s=30.0)
+    scheduler = fleet.deployment.new_scheduler()
+    plan = plan_kv_cache("Llama-3-8B", "L4", max_model_len=4096)
+    assert scheduler.kv_cache.block_pool.num_blocks == plan.num_gpu_blocks
+    assert (scheduler.config.max_num_seqs, scheduler.config.max_num_batched_tokens) == (256, 2048)
+    assert FleetConfig().deployment == Deployment("Llama-3-8B", "L40S", max_model_len=8192)
+    with pytest.raises(ParameterError) as err:
+        FleetConfig(Deployment("Llama-3-70B", "L40S"))  # 140 GB of weights on 48 GB
+    assert err.value.param == "deployment"

@@ -6,10 +6,12 @@ import re
 
 import pytest
 
+from openai.types import CompletionUsage
+
 from labkit.checks import ParameterError
-from labkit.cost.prices import (HOURS_PER_MONTH, PRICING_MODELS, APIPrice, GPUPrice, api_price,
-                                gpu_hourly_price, gpu_price_range, gpu_prices, load_api_prices,
-                                load_gpu_prices, price_range_table)
+from labkit.cost.prices import (HOURS_PER_MONTH, PRICING_MODELS, APIPrice, GPUPrice, TokenMix,
+                                api_price, gpu_hourly_price, gpu_price_range, gpu_prices,
+                                load_api_prices, load_gpu_prices, price_range_table)
 from labkit.hardware import list_gpus
 
 DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
@@ -105,17 +107,42 @@ def test_unknown_gpu_is_refused_not_priced_at_a_default():
         gpu_prices("L40S", pricing="monthly")
 
 
-def test_api_bill_worked_by_hand():
+def _usage_mix(usage: CompletionUsage) -> TokenMix:
+    return TokenMix(usage.prompt_tokens, usage.completion_tokens,
+                    usage.prompt_tokens_details.cached_tokens)
+
+
+def test_api_bill_follows_openai_usage_and_agrees_with_three_disjoint_counts():
     card = APIPrice("p", "m", 2.0, 0.5, 8.0, "https://example.org", "2026-12-01")
-    # 1M prompt tokens of which 400k cached, 200k output:
-    # 600k x $2/M + 400k x $0.5/M + 200k x $8/M = 1.2 + 0.2 + 1.6 = $3.0
-    assert math.isclose(card.cost_usd(1_000_000, 200_000, 400_000), 3.0)
-    no_cache = APIPrice("p", "m", 2.0, None, 8.0, "https://example.org", "2026-12-01")
+    # OpenAI's SDK object: prompt_tokens includes prompt_tokens_details.cached_tokens.
+    usage = CompletionUsage(prompt_tokens=1_000_000, completion_tokens=200_000,
+                            total_tokens=1_200_000,
+                            prompt_tokens_details={"cached_tokens": 400_000})
+    # The same month as three disjoint counts, priced by hand: 600k uncached prompt tokens,
+    # 400k cached, 200k output: 600k x $2/M + 400k x $0.5/M + 200k x $8/M = 1.2 + 0.2 + 1.6.
+    uncached, cached, output = 600_000, 400_000, 200_000
+    by_hand = (uncached * 2.0 + cached * 0.5 + output * 8.0) / 1e6
+    assert math.isclose(by_hand, 3.0)
+    from_usage = card.cost_usd(_usage_mix(usage))
+    from_disjoint = card.cost_usd(TokenMix(uncached + cached, output, cached))
+    assert math.isclose(from_usage, 3.0) and math.isclose(from_disjoint, 3.0)
+    assert _usage_mix(usage).total_tokens == usage.total_tokens
     # Without a cached price the cached tokens pay full price: 2.0 + 1.6
-    assert math.isclose(no_cache.cost_usd(1_000_000, 200_000, 400_000), 3.6)
+    no_cache = APIPrice("p", "m", 2.0, None, 8.0, "https://example.org", "2026-12-01")
+    assert math.isclose(no_cache.cost_usd(_usage_mix(usage)), 3.6)
+
+
+def test_cached_tokens_outside_the_prompt_tokens_are_refused():
+    # Counting the cached tokens on top of the prompt tokens (disjoint counts passed as if
+    # they were usage) is the mistake the convention prevents.
     with pytest.raises(ParameterError) as err:
-        card.cost_usd(100, 10, cached_input_tokens=200)
+        TokenMix(100, 10, cached_input_tokens=200)
     assert err.value.param == "cached_input_tokens"
+
+
+def test_a_mix_scales_keeping_its_shares():
+    mix = TokenMix(1e9, 2e8, 3e8).scaled_to(2.4e9)
+    assert (mix.input_tokens, mix.output_tokens, mix.cached_input_tokens) == (2e9, 4e8, 6e8)
 
 
 def test_api_price_lookup_and_error():
@@ -125,12 +152,10 @@ def test_api_price_lookup_and_error():
         api_price("nobody", "nothing")
 
 
-def test_tables_can_be_replaced_by_your_own_file(tmp_path):
-    path = tmp_path / "quotes.csv"
-    path.write_text("gpu,provider,pricing,usd_per_gpu_hour,min_gpus,product,source,as_of,notes\n"
-                    "L40S,my colo,committed_3y,0.55,8,,quote from my colo,2026-11,\n")
-    rows = load_gpu_prices(path)
-    price = gpu_hourly_price("L40S", pricing="committed_3y", num_gpus=8, table=rows)
+def test_tables_can_be_replaced_by_your_own_rows():
+    quote = GPUPrice("L40S", "my colo", "committed_3y", 0.55, source="quote from my colo",
+                     as_of="2026-11", min_gpus=8)
+    price = gpu_hourly_price("L40S", pricing="committed_3y", num_gpus=8, table=[quote])
     assert price.usd_per_gpu_hour == 0.55 and price.provider == "my colo"
 
 

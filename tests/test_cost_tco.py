@@ -2,10 +2,8 @@
 brute force over volumes), the "never" cases, the tutorial's formula shown wrong, the sourced
 tables, bad input, and the tornado's ordering."""
 
-import csv
 import math
 import re
-from importlib import resources
 
 import matplotlib
 import pytest
@@ -16,11 +14,12 @@ from labkit.checks import ParameterError
 from labkit.cost.prices import APIPrice, GPUPrice
 from labkit.cost.sensitivity import (Swing, plot_cost_vs_volume, plot_tornado,
                                      sourced_swings, tco_report, tco_widget, tornado)
-from labkit.cost.tco import (HOURS_PER_MONTH, SECONDS_PER_MONTH, ApiPrices, ReplicaCapacity, Cloud,
-                             Scenario, SelfHosted, TokenMix, api_prices_from, replica_capacity,
-                             capex_for, capex_rows, input_range, input_row, input_rows,
-                             tutorial_compare_cloud_vs_selfhost)
+from labkit.cost.tco import (SECONDS_PER_MONTH, Cloud, Scenario, SelfHosted, capex_for, capex_rows,
+                             input_range, input_row, input_rows)
+from labkit.tutorial.ch07_tco import tutorial_compare_cloud_vs_selfhost
+from labkit.cost.prices import HOURS_PER_MONTH, TokenMix
 from labkit.cost.tokens import Throughput
+from labkit.data import read_csv
 from labkit.hardware import get_gpu
 
 matplotlib.use("Agg")
@@ -33,13 +32,23 @@ def hardware(**changes) -> SelfHosted:
     return SelfHosted(**{**values, **changes})
 
 
-MIX = TokenMix(input_tokens=7e8, cached_input_tokens=3e8, output_tokens=2e8)
-API = ApiPrices(input_usd_1m=3.0, cached_input_usd_1m=0.30, output_usd_1m=15.0)
+def card(input_usd: float, cached_usd: float | None, output_usd: float) -> APIPrice:
+    return APIPrice("Test", "m", input_usd, cached_usd, output_usd, "test: given", "2026-12-01")
+
+
+def capacity(output_tok_s: float, num_gpus: int = 1) -> Throughput:
+    """A replica's throughput; a scenario sizes its fleet by the output rate alone."""
+    return Throughput(5 * output_tok_s, output_tok_s, output_tok_s / 200, 0.3, num_gpus,
+                      "test: given")
+
+
+# 1e9 prompt tokens a month, 3e8 of them cache hits (OpenAI's usage convention), 2e8 output.
+MIX = TokenMix(input_tokens=1e9, output_tokens=2e8, cached_input_tokens=3e8)
+API = card(3.0, 0.30, 15.0)
 
 
 def scenario(**changes) -> Scenario:
-    values = dict(traffic=MIX, api=API, capacity=ReplicaCapacity(1000, 1, "test: given"),
-                  hardware=hardware())
+    values = dict(traffic=MIX, api=API, capacity=capacity(1000), hardware=hardware())
     return Scenario(**{**values, **changes})
 
 
@@ -91,18 +100,14 @@ def test_monthly_total_by_hand():
     assert month.opex_usd == pytest.approx(5868.48)
 
 
-def test_api_bill_by_hand_and_against_chapter_6():
+def test_api_bill_by_hand():
     # 700M uncached input x $3 + 300M cached x $0.30 + 200M output x $15, per 1M:
-    # 2,100 + 90 + 3,000 = $5,190.
-    assert API.monthly_usd(MIX) == pytest.approx(5190)
-    assert API.usd_per_token(MIX) == pytest.approx(5190 / 1.2e9)
-    # Chapter 6's card counts cached tokens inside the input tokens, as OpenAI's usage does.
-    card = APIPrice("X", "m", 3.0, 0.30, 15.0, "https://example.com", "2026-12-01")
-    ours = api_prices_from(card)
-    assert ours.monthly_usd(MIX) == pytest.approx(card.cost_usd(1e9, 2e8, 3e8))
+    # 2,100 + 90 + 3,000 = $5,190, over 1.2e9 tokens (the cached ones are among the input).
+    assert API.cost_usd(MIX) == pytest.approx(5190)
+    assert MIX.total_tokens == 1.2e9
+    assert scenario().breakeven().api_usd_per_token == pytest.approx(5190 / 1.2e9)
     # No cached price on the card: all 1e9 input tokens pay $3, 3,000 + 3,000 output.
-    plain = api_prices_from(APIPrice("X", "m", 3.0, None, 15.0, "https://example.com", "2026-12"))
-    assert plain.monthly_usd(MIX) == pytest.approx(6000)
+    assert card(3.0, None, 15.0).cost_usd(MIX) == pytest.approx(6000)
 
 
 def test_cloud_bills_every_hour_it_runs():
@@ -121,24 +126,12 @@ def test_cloud_bills_every_hour_it_runs():
 def test_sizing_in_replicas_and_servers():
     # 2e8 output tokens a month = 76.1 tok/s on average; at 3x peak, 228.3 tok/s; replicas of
     # 2 GPUs at 50 tok/s: ceil(4.57) = 5 replicas, 10 GPUs, 4 per server -> 2 servers.
-    s = scenario(capacity=ReplicaCapacity(50, 2, "test"), peak_to_average=3.0)
+    s = scenario(capacity=capacity(50, 2), peak_to_average=3.0)
     assert s.replicas_needed() == 5 and s.gpus_needed() == 10
     assert s.servers_needed() == 2            # 8 GPUs a server: 4 replicas each
     assert s.costs().servers == 2 and s.costs().gpus_needed == 10
     with pytest.raises(ParameterError, match="capacity"):
-        scenario(capacity=ReplicaCapacity(50, 16, "test"))
-
-
-def test_capacity_from_chapter_6_throughput():
-    t = Throughput(input_tok_s=4000, output_tok_s=1000, request_rate=2, prefill_share=0.3,
-                   num_gpus=2, provenance="simulated: test")
-    c = replica_capacity(t)
-    assert (c.output_tok_s, c.gpus, c.provenance) == (1000, 2, "simulated: test")
-    assert replica_capacity(750, "measured: bench run", gpus=4).gpus == 4
-    with pytest.raises(ParameterError, match="provenance"):
-        replica_capacity(750)
-    with pytest.raises(ParameterError, match="throughput"):
-        replica_capacity("fast")
+        scenario(capacity=capacity(50, 16))
 
 
 # --- the breakeven, on the step function ----------------------------------------------------
@@ -164,8 +157,7 @@ def step_scenario(**changes) -> Scenario:
     # 2.628e9 tokens a month per server, worth $2,628 of API spend. A server costs
     # 72,000 / 60 = $1,200 a month (no power, no colocation); one admin, $60,000 a year, is
     # a fixed $5,000 a month.
-    values = dict(traffic=TokenMix(0, 0, 1e9), api=ApiPrices(0, 0, 1.0),
-                  capacity=ReplicaCapacity(1000, 1, "test"),
+    values = dict(traffic=TokenMix(0, 1e9), api=card(0, 0, 1.0), capacity=capacity(1000),
                   hardware=hardware(capex_per_server_usd=72_000, electricity_usd_kwh=0,
                                     gpus_per_server=1, staff_usd_year=60_000, staff_fte=1))
     return Scenario(**{**values, **changes})
@@ -217,9 +209,8 @@ def test_breakeven_matches_brute_force():
 @given(out_price=st.floats(0.2, 20), tok_s=st.floats(100, 5000), capex=st.floats(1e4, 4e5),
        staff=st.floats(0, 3), per_server=st.sampled_from([1, 2, 8]))
 def test_breakeven_agrees_with_the_cost_functions(out_price, tok_s, capex, staff, per_server):
-    s = Scenario(traffic=TokenMix(3e8, 1e8, 1e8), api=ApiPrices(out_price / 5, out_price / 50,
-                                                                out_price),
-                 capacity=ReplicaCapacity(tok_s, 1, "test"),
+    s = Scenario(traffic=TokenMix(4e8, 1e8, 1e8),
+                 api=card(out_price / 5, out_price / 50, out_price), capacity=capacity(tok_s),
                  hardware=hardware(capex_per_server_usd=capex, gpus_per_server=per_server,
                                    staff_usd_year=100_000, staff_fte=staff))
     b = s.breakeven()
@@ -245,7 +236,7 @@ def test_never_when_the_api_is_cheaper_per_token_than_a_full_server():
     # At $0.02 / $0.002 / $0.05 per 1M the mix costs 14 + 0.6 + 10 = $24.6 per 1.2e9 tokens;
     # a full server's 1.26144e11 tokens are worth $2,586 a month, less than the $5,072 the
     # server costs: no volume pays for it. No division by zero either.
-    s = scenario(api=ApiPrices(0.02, 0.002, 0.05))
+    s = scenario(api=card(0.02, 0.002, 0.05))
     b = s.breakeven()
     assert b.never and b.first_tokens_month is None
     assert b.margin_usd_per_server_month < 0
@@ -257,7 +248,7 @@ def test_never_when_the_api_is_cheaper_per_token_than_a_full_server():
 
 
 def test_never_when_the_api_is_free_or_the_margin_is_zero():
-    assert "costs nothing" in scenario(api=ApiPrices(0, 0, 0)).breakeven().reason
+    assert "costs nothing" in scenario(api=card(0, 0, 0)).breakeven().reason
     # Make a full server cost exactly what the API charges for its tokens: all-output
     # traffic at $1 per 1M; one-GPU servers at 1000 tok/s serve 2.628e9 tokens = $2,628 a
     # month; a server written off at 2628 x 60 = $157,680 over 5 years costs $2,628 a month.
@@ -288,7 +279,7 @@ def test_payback_by_hand():
 
 
 def test_payback_never_when_running_costs_exceed_the_alternative():
-    p = scenario(api=ApiPrices(0.02, 0.002, 0.05)).payback("api")
+    p = scenario(api=card(0.02, 0.002, 0.05)).payback("api")
     assert p.never and p.months is None and "no monthly saving" in p.reason
     with pytest.raises(ParameterError, match="cloud"):
         scenario().payback("cloud")
@@ -329,7 +320,7 @@ def test_tutorial_payback_depends_on_an_arbitrary_horizon():
     s = scenario(hardware=hardware(capex_per_server_usd=264_000, electricity_usd_kwh=0,
                                    staff_usd_year=12 * 3700, staff_fte=1),
                  cloud=Cloud(3.50, billed_fraction=0.7 * 720 / HOURS_PER_MONTH))
-    s = s.with_value("capacity", ReplicaCapacity(1e6, 8, "test: one server's worth"))
+    s = s.with_value("capacity", capacity(1e6, 8))  # one server's worth
     assert s.payback("cloud").months == pytest.approx(264_000 / 10_412)
 
 
@@ -359,8 +350,7 @@ _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 
 @pytest.mark.parametrize("name", ["gpu_capex.csv", "tco_inputs.csv"])
 def test_every_row_is_sourced_and_dated(name):
-    text = resources.files("labkit.data").joinpath(name).read_text(encoding="utf-8")
-    rows = list(csv.DictReader(text.splitlines()))
+    rows = read_csv(name)
     assert rows
     for row in rows:
         assert row["source"].startswith("https://"), row
@@ -415,21 +405,19 @@ def test_bad_hardware_inputs_name_the_parameter(change, param):
 
 def test_other_bad_inputs():
     with pytest.raises(ParameterError, match="output_tokens"):
-        TokenMix(1e9, 0, 0)
-    with pytest.raises(ParameterError, match="output_usd_1m"):
-        ApiPrices(1, 1, -1)
+        scenario(traffic=TokenMix(1e9, 0))
+    with pytest.raises(ParameterError, match="usd_per_1m_output"):
+        card(1, 1, -1)
     with pytest.raises(ParameterError, match="billed_fraction"):
         Cloud(3.0, billed_fraction=0)
     with pytest.raises(ParameterError, match="peak_to_average"):
         scenario(peak_to_average=0.5)
     with pytest.raises(ParameterError, match="provenance"):
-        ReplicaCapacity(100, 1, " ")
+        Throughput(500, 100, 1.0, 0.3, 1, " ")
     with pytest.raises(ParameterError, match="path"):
         scenario().with_value("hardware.colour", 1)
     with pytest.raises(ParameterError, match="path"):
         scenario().value("nope")
-    with pytest.raises(ParameterError, match="card"):
-        api_prices_from({"input": 1})
     with pytest.raises(ParameterError, match="servers"):
         hardware().month(-1)
 
@@ -461,7 +449,7 @@ def test_tornado_on_the_breakeven_puts_never_first():
     # Near the edge (a server saves $362 a month against the API): the dearest electricity,
     # the shortest life or the dearest server turn the answer to "never"; those bars come
     # first, in the order given, then the finite ones by size.
-    s = scenario(api=ApiPrices(0.042, 0.0042, 0.21), hardware=hardware(
+    s = scenario(api=card(0.042, 0.0042, 0.21), hardware=hardware(
         server_power_ratio=1.8214, colocation_usd_kw_month=170))
     assert s.breakeven().margin_usd_per_server_month == pytest.approx(361.62, abs=0.01)
     bars = tornado(s, sourced_swings(s), metric="breakeven_tokens_month")
@@ -500,7 +488,7 @@ def test_tornado_swings_whole_price_cards():
     # Two API cards for the same traffic: $5,190 at the base card, and at a card of half the
     # prices $2,595: the monthly difference moves by $2,595.
     s = scenario()
-    half = ApiPrices(1.5, 0.15, 7.5)
+    half = card(1.5, 0.15, 7.5)
     swing = Swing("api", half, API, "API card", "test", low_label="half", high_label="base")
     assert not swing.numeric and swing.end_labels() == ("half", "base")
     (bar,) = tornado(s, [swing])
@@ -519,5 +507,5 @@ def test_cost_vs_volume_plot_draws_steps_and_crossings():
     assert self_hosted.get_ydata()[-1] == pytest.approx(14_600)
     crossings = [line for line in ax.lines[2:] if line.get_linestyle() == ":"]
     assert len(crossings) == 3
-    never = scenario(api=ApiPrices(0.02, 0.002, 0.05))
+    never = scenario(api=card(0.02, 0.002, 0.05))
     assert "never" in plot_cost_vs_volume(never).get_title()

@@ -8,16 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.checks import ParameterError
-from labkit.cost.capacity import (Deployment, LatencySLO, TensorParallelRooflineCost, Workload,
-                                  max_rate_at_slo)
+from labkit.cost.capacity import LatencySLO, max_rate_at_slo
+from labkit.simulate.deployment import Deployment, TensorParallelRooflineCost
 from labkit.cost.prices import GPUPrice
 from labkit.cost.tokens import (Throughput, busy_time_s, prefill_only_time_s, prefill_share,
                                 throughput_from_benchmark, token_cost)
-from labkit.cost.tutorial_ch6 import tutorial_cost_per_million_tokens
+from labkit.tutorial.ch06_cost import tutorial_cost_per_million_tokens
 from labkit.kvcache import KVCacheManager
 from labkit.parallel import tp_decode_scaling
 from labkit.scheduling import Scheduler, SchedulerConfig
-from labkit.simulate import RequestLatencies, random_workload, simulate, summarize_latencies
+from labkit.simulate import RequestLatencies, Workload, simulate, summarize_latencies
 
 
 def _throughput(input_tok_s=2000.0, output_tok_s=500.0, share=0.25, num_gpus=2):
@@ -115,7 +115,7 @@ def test_prefill_share_from_a_simulation_with_a_linear_cost():
         return 1e-3 * sum(n for n, _ in rows)
 
     n = 20
-    requests = random_workload(n, 5.0, [100] * n, [51] * n, seed=1)
+    requests = Workload([0.0] * n, [100] * n, [51] * n, seed=1).at_rate(5.0).requests()
     scheduler = Scheduler(KVCacheManager(4000, 16, enable_prefix_caching=False),
                           SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     run = simulate(scheduler, requests, linear)
@@ -203,10 +203,10 @@ def test_the_rate_found_meets_the_slo_and_a_slightly_higher_one_does_not():
 
 
 def test_workload_checks():
+    with pytest.raises(ParameterError, match="at least one request"):
+        max_rate_at_slo(L40S_8B, LatencySLO(1000, 50), Workload((), (), ()))
     with pytest.raises(ParameterError):
-        Workload((), ())
-    with pytest.raises(ParameterError):
-        Workload((10, 0), (5, 5))
+        Workload((0, 0), (10, 0), (5, 5))
     with pytest.raises(ParameterError, match="exceeds max_model_len"):
         max_rate_at_slo(L40S_8B, LatencySLO(1000, 50), Workload.fixed(1000, 100, 10))
     lognormal = Workload.lognormal(200, 50, 30, max_prompt_len=800, max_output_len=200)

@@ -21,7 +21,8 @@ from labkit.deploy.validate import (systemd_analyze, validate_helm_values,
                                     validate_inference_service, validate_kubernetes,
                                     verify_systemd_unit)
 from labkit.engine import write_tiny_model
-from labkit.launch import ServeConfig, free_port, labkit_command, vllm_command
+from labkit.launch import ServeConfig, labkit_command, vllm_command
+from labkit.process import free_port
 
 SPEC = DeploymentSpec(model="hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",
                       served_model_name="llama-70b", tensor_parallel_size=4,
@@ -40,6 +41,8 @@ def test_startup_budget_covers_the_load_time_with_margin():
     assert (probe.period_s, probe.failure_threshold, probe.budget_s) == (10, 13, 130)
     assert SPEC.startup_probe == probe  # the spec's default load time is COLD_START_S = 82 s
     assert startup_probe(294.0).failure_threshold == 45  # a clean pod: download first
+    # 100 s x 1.1 is 110.00000000000001 in floating point: still 11 checks, not 12.
+    assert startup_probe(100.0, margin=1.1).failure_threshold == 11
     for load_s in (1.0, 59.9, 60.0, 61.0, 500.0):
         budget = startup_probe(load_s, margin=1.2).budget_s
         assert 1.2 * load_s <= budget < 1.2 * load_s + 10

@@ -22,7 +22,7 @@ from labkit.checks import ParameterError
 from labkit.engine import LLM, EngineArgs, LLMEngine, SamplingParams, write_tiny_model
 from labkit.engine.device import (DeviceMemoryError, DeviceOutOfMemory, SimulatedDevice,
                                   format_gib)
-from labkit.launch import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port
 from labkit.units import GiB, MiB
 
 DEVICE_GIB = 0.125                 # the teaching engine's default device: 128 MiB

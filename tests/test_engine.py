@@ -379,3 +379,86 @@ def test_final_only_reports_a_request_once_when_it_finishes(tiny):
     assert [o.finished for o in seen["every-step"]] == [False] * 4 + [True]
     assert [o.finished for o in seen["final-only"]] == [True]
     assert seen["final-only"][0].outputs == seen["every-step"][-1].outputs
+
+
+def _engine_with_blocks(tiny, num_blocks, block_size=4, **args):
+    """An engine whose simulated device leaves exactly ``num_blocks`` KV blocks."""
+    from labkit.hardware import activation_bytes, kv_cache_bytes_per_token
+    from labkit.units import GiB
+
+    probe = LLMEngine(EngineArgs(tiny, block_size=block_size, **args))
+    spec = probe.model.spec
+    need = (probe.model.weight_bytes + activation_bytes(
+        spec, probe.args.max_num_batched_tokens, probe.args.max_num_seqs, act_dtype_bytes=4)
+        + num_blocks * block_size * kv_cache_bytes_per_token(spec, "fp32"))
+    engine = LLMEngine(EngineArgs(tiny, block_size=block_size,
+                                  device_memory_gib=(need + 1) / 0.9 / GiB, **args))
+    assert engine.num_gpu_blocks == num_blocks
+    return engine
+
+
+def test_step_stats_add_up_to_what_the_engine_did(tiny):
+    """Each step's records (vLLM's SchedulerStats and IterationStats) count that step only:
+    summed over the run they give every prompt, token, lookup and preemption exactly once."""
+    from labkit.engine.stats import IterationStats
+
+    # 12 blocks of 4 tokens; three requests of up to 8 + 12 tokens (5 blocks each) cannot
+    # all run at once, so the scheduler preempts.
+    engine = _engine_with_blocks(tiny, 12, max_model_len=40)
+    prompts = [[7, 8, 9, 10, 11 + i, 12, 13, 14] for i in range(3)]  # one shared full block
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    steps, running = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_stats)
+        running.append(engine.last_stats.scheduler.num_running_reqs)
+    iteration = [s.iteration for s in steps]
+
+    def total(field):
+        return sum(getattr(i, field) for i in iteration)
+
+    assert engine.scheduler.num_preemptions > 0
+    assert total("num_preempted_reqs") == engine.scheduler.num_preemptions
+    assert total("num_prompt_tokens") == 3 * 8
+    assert total("num_generation_tokens") == 3 * 12
+    lookups = [s.scheduler.prefix_cache_stats for s in steps]
+    assert sum(x.queries for x in lookups) == engine.kv_cache.prefix_cache_queries > 0
+    assert sum(x.hits for x in lookups) == engine.kv_cache.prefix_cache_hits > 0
+    assert sum(len(i.time_to_first_tokens_iter) for i in iteration) == 3
+    assert sum(len(i.inter_token_latencies_iter) for i in iteration) == 3 * 11
+    assert sum(len(i.e2e_latencies_iter) for i in iteration) == 3
+    assert running[-1] == 0 and max(running) <= 3
+    assert steps[-1].scheduler.kv_cache_usage == 0.0
+    assert all(x >= 0 for i in iteration for x in i.inter_token_latencies_iter)
+    assert all(isinstance(i, IterationStats) for i in iteration) and len(ids) == 3
+
+
+def test_metrics_are_the_sum_of_the_step_records(tiny):
+    from labkit.engine.metrics import EngineMetrics
+    from labkit.http.metrics import sample_totals
+    from prometheus_client import generate_latest
+
+    engine = _engine_with_blocks(tiny, 12, max_model_len=40)
+    metrics = EngineMetrics("tiny")
+    for i in range(3):
+        engine.add_request([7, 8, 9, 10, 11 + i, 12, 13, 14],
+                           SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.record(engine.last_stats.scheduler, engine.last_stats.iteration)
+    page = generate_latest(metrics.registry).decode()
+    totals = sample_totals(page, [
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running"])
+    kv = engine.kv_cache
+    assert totals == {
+        "vllm:prompt_tokens_total": 24, "vllm:generation_tokens_total": 36,
+        "vllm:num_preemptions_total": engine.scheduler.num_preemptions,
+        "vllm:prefix_cache_queries_total": kv.prefix_cache_queries,
+        "vllm:prefix_cache_hits_total": kv.prefix_cache_hits,
+        "vllm:time_to_first_token_seconds_count": 3,
+        "vllm:inter_token_latency_seconds_count": 33,
+        "vllm:e2e_request_latency_seconds_count": 3, "vllm:num_requests_running": 0}

@@ -2,7 +2,8 @@
 
 from labkit.engine import SamplingParams
 from labkit.exercises import ch02 as ex
-from labkit.launch import ServeConfig, engine_table_markdown, flag_table_markdown
+from labkit.launch import ServeConfig
+from labkit.harness.lab_engines import engine_table_markdown, flag_table_markdown
 
 METRICS = """\
 # TYPE vllm:prefix_cache_queries counter

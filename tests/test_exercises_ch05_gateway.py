@@ -1,8 +1,8 @@
 """Lab 05a (chapter 5): its exercise checks, whose right answers, worked out by hand here,
 pass and whose listed mistakes are each recognised and named; and the lab's load helpers
-(:mod:`labkit.gateway.loadgen`) without servers: how a client classifies a stream, the
-backends' counters, and the chat sessions' prompts. The lab itself runs them against real
-servers under nbval."""
+(:mod:`labkit.harness`, :mod:`labkit.http.client`) without servers: how a client classifies
+a stream, the backends' counters, and the chat sessions' prompts. The lab itself runs them
+against real servers under nbval."""
 
 import argparse
 import asyncio
@@ -16,7 +16,8 @@ from labkit.checks import ParameterError
 from labkit.cli import gateway_parser
 from labkit.engine.metrics import EngineMetrics
 from labkit.exercises import ch05_gateway as ex
-from labkit.gateway import loadgen
+from labkit.harness import counters, fleet, load
+from labkit.http import client
 
 
 def test_round_robin_after_an_ejection():
@@ -104,11 +105,11 @@ def _stream(*parts: bytes, fail_after: bool = False):
     return body()
 
 
-def _classify(handler) -> loadgen.StreamResult:
+def _classify(handler) -> client.StreamResult:
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
-                                     base_url="http://gateway") as client:
-            return await loadgen.stream_completion(client, "m", "hello", 4)
+                                     base_url="http://gateway") as http:
+            return await client.stream_completion(http, "m", "hello", 4)
     return asyncio.run(go())
 
 
@@ -138,7 +139,7 @@ def test_stream_outcomes_as_a_client_sees_them():
 
     lost = _classify(refuse)
     assert lost.outcome == "lost" and "ConnectError" in lost.error
-    counts = loadgen.count_outcomes([complete, cut, broken, shed, lost, lost])
+    counts = client.count_outcomes([complete, cut, broken, shed, lost, lost])
     assert counts == {"complete": 1, "cut": 1, "broken": 1, "lost": 2, "shed": 1}
 
 
@@ -148,21 +149,21 @@ def test_counters_come_from_the_metrics_page():
     metrics.prefix_hits.inc(120)
     for seconds in (0.5, 1.5):
         metrics.e2e.observe(seconds)
-    before = loadgen.BackendCounters("http://b", 1, 100, 20)
-    after = loadgen.parse_counters("http://b", generate_latest(metrics.registry).decode())
-    assert after == loadgen.BackendCounters("http://b", 2, 300, 120)
+    before = counters.BackendCounters("http://b", 1, 100, 20)
+    after = counters.parse_counters("http://b", generate_latest(metrics.registry).decode())
+    assert after == counters.BackendCounters("http://b", 2, 300, 120)
     delta = after.since(before)
-    assert delta == loadgen.BackendCounters("http://b", 1, 200, 100)
-    other = loadgen.BackendCounters("http://c", 0, 200, 0)
-    assert loadgen.fleet_hit_rate([delta, other]) == pytest.approx(100 / 400)
+    assert delta == counters.BackendCounters("http://b", 1, 200, 100)
+    other = counters.BackendCounters("http://c", 0, 200, 0)
+    assert counters.fleet_hit_rate([delta, other]) == pytest.approx(100 / 400)
     with pytest.raises(ParameterError):
         after.since(other)
     with pytest.raises(ParameterError):
-        loadgen.fleet_hit_rate([loadgen.BackendCounters("http://b", 0, 0, 0)])
+        counters.fleet_hit_rate([counters.BackendCounters("http://b", 0, 0, 0)])
 
 
 def test_every_turn_resends_the_previous_turn_and_its_reply():
-    (conversation, other) = loadgen.chat_workload(2, turns=3, seed=1)
+    (conversation, other) = load.chat_workload(2, turns=3, seed=1)
     assert conversation.system_prompt == other.system_prompt  # shared by default
     assert conversation.user_messages != other.user_messages
     replies = [" one", " two"]
@@ -172,24 +173,24 @@ def test_every_turn_resends_the_previous_turn_and_its_reply():
     assert prompts[2].endswith(f"User: {conversation.user_messages[2]}\nAssistant:")
     with pytest.raises(ParameterError):
         conversation.prompt([" a", " b", " c"])
-    own = loadgen.chat_workload(2, turns=1, shared_system_prompt=False, seed=1)
+    own = load.chat_workload(2, turns=1, shared_system_prompt=False, seed=1)
     assert own[0].system_prompt != own[1].system_prompt
-    assert loadgen.chat_workload(2, turns=3, seed=1) == [conversation, other]
+    assert load.chat_workload(2, turns=3, seed=1) == [conversation, other]
 
 
 def test_varied_requests_stay_in_their_ranges_and_repeat():
-    requests = loadgen.varied_requests(50, seed=3, prompt_words=(2, 5), max_tokens=(4, 6))
-    assert requests == loadgen.varied_requests(50, seed=3, prompt_words=(2, 5), max_tokens=(4, 6))
+    requests = load.varied_requests(50, seed=3, prompt_words=(2, 5), max_tokens=(4, 6))
+    assert requests == load.varied_requests(50, seed=3, prompt_words=(2, 5), max_tokens=(4, 6))
     assert {len(r.prompt.split()) for r in requests} <= {2, 3, 4, 5}
     assert {r.max_tokens for r in requests} == {4, 5, 6}
 
 
 @pytest.mark.parametrize("call, param", [
-    (lambda: loadgen.varied_requests(3, max_tokens=(5, 4)), "max_tokens"),
-    (lambda: loadgen.chat_workload(0, 3), "num_conversations"),
-    (lambda: loadgen.BackendFleet("model", 3, max_num_seqs=(1, 2)), "max_num_seqs"),
-    (lambda: loadgen.gateway_command(["http://a"], "fastest", 8000), "strategy"),
-    (lambda: loadgen.gateway_command([], "round_robin", 8000), "backends"),
+    (lambda: load.varied_requests(3, max_tokens=(5, 4)), "max_tokens"),
+    (lambda: load.chat_workload(0, 3), "num_conversations"),
+    (lambda: fleet.BackendFleet("model", 3, max_num_seqs=(1, 2)), "max_num_seqs"),
+    (lambda: fleet.gateway_command(["http://a"], "fastest", 8000), "strategy"),
+    (lambda: fleet.gateway_command([], "round_robin", 8000), "backends"),
 ])
 def test_load_helpers_name_bad_parameters(call, param):
     with pytest.raises(ParameterError) as err:
@@ -198,7 +199,7 @@ def test_load_helpers_name_bad_parameters(call, param):
 
 
 def test_gateway_command_parses_with_labkit_gateways_own_parser():
-    command = loadgen.gateway_command(["http://a:1", "http://b:2"], "prefix_aware", 30123,
+    command = fleet.gateway_command(["http://a:1", "http://b:2"], "prefix_aware", 30123,
                                       seed=7)
     assert command[1:4] == ["-m", "labkit.cli", "gateway"]
     parser = argparse.ArgumentParser()

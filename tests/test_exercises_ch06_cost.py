@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.cost.capacity import LatencySLO, Workload
+from labkit.cost.capacity import LatencySLO
+from labkit.simulate import Workload
 from labkit.cost.compare import TrafficProfile, compare_deployments
 from labkit.cost.tokens import Throughput
 from labkit.exercises import ch06_cost as ex

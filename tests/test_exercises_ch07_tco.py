@@ -4,8 +4,14 @@ graded both ways, and the expected values are the ones worked out by hand."""
 import pytest
 
 from labkit.checks import ParameterError
-from labkit.cost.tco import ApiPrices, ReplicaCapacity, Scenario, SelfHosted, TokenMix
+from labkit.cost.prices import APIPrice, TokenMix
+from labkit.cost.tco import Scenario, SelfHosted
+from labkit.cost.tokens import Throughput
 from labkit.exercises import ch07_tco as ex
+
+
+def card(input_usd: float, cached_usd: float | None, output_usd: float) -> APIPrice:
+    return APIPrice("Test", "m", input_usd, cached_usd, output_usd, "test: given", "2026-12-01")
 
 
 def test_power():
@@ -33,13 +39,14 @@ def test_depreciation():
 
 
 def test_api_bill():
+    # The default card is OpenAI's GPT-6.1 Sol from the table, $2 / $0.10 / $10 per 1M:
     # 0.8e9 uncached x $2 + 1.2e9 cached x $0.10 + 0.3e9 x $10, per 1M: 1,600 + 120 + 3,000.
     assert ex.check_api_bill(4720)
     assert "full input price" in repr(ex.check_api_bill(7000))    # 4,000 + 3,000
     assert "twice" in repr(ex.check_api_bill(7120))               # 4,000 + 120 + 3,000
     assert "output tokens" in repr(ex.check_api_bill(1720))
     assert "1K" in repr(ex.check_api_bill(4_720_000))
-    assert ex.check_api_bill(6000, card=ApiPrices(3.0, 3.0, 10.0), prompt_tokens=1e9,
+    assert ex.check_api_bill(6000, card=card(3.0, None, 10.0), prompt_tokens=1e9,
                              cached_prompt_tokens=0)
     with pytest.raises(ParameterError, match="cached_prompt_tokens"):
         ex.check_api_bill(1, prompt_tokens=1e9, cached_prompt_tokens=2e9)
@@ -49,8 +56,8 @@ def scenario(**hardware_changes) -> Scenario:
     values = dict(gpu="H100 SXM", capex_per_server_usd=270_000, depreciation_years=5, pue=1.4,
                   electricity_usd_kwh=0.10, server_power_ratio=1.0, colocation_usd_kw_month=0,
                   staff_usd_year=90_000, staff_fte=1)
-    return Scenario(traffic=TokenMix(7e8, 3e8, 2e8), api=ApiPrices(3.0, 0.30, 15.0),
-                    capacity=ReplicaCapacity(1000, 1, "test"),
+    return Scenario(traffic=TokenMix(1e9, 2e8, 3e8), api=card(3.0, 0.30, 15.0),
+                    capacity=Throughput(5000, 1000, 5.0, 0.3, 1, "test"),
                     hardware=SelfHosted(**{**values, **hardware_changes}))
 
 
@@ -69,7 +76,7 @@ def test_breakeven():
 def test_breakeven_never():
     # At $0.02 / $0.002 / $0.05 a full server's tokens are worth $2,586 a month: less than
     # the server costs. The right answer is "never"; any number is wrong.
-    s = scenario().with_value("api", ApiPrices(0.02, 0.002, 0.05))
+    s = scenario().with_value("api", card(0.02, 0.002, 0.05))
     assert ex.check_breakeven("never", s)
     assert ex.check_breakeven(" Never ", s)
     feedback = ex.check_breakeven(1e10, s)

@@ -6,7 +6,7 @@ import pytest
 
 from labkit.checks import ParameterError
 from labkit.deploy import DeploymentSpec
-from labkit.deploy.render import TUTORIAL_SERVER_ARGS, TUTORIAL_SCRIPT_PROBLEMS
+from labkit.tutorial.ch08_deploy import TUTORIAL_SERVER_ARGS, TUTORIAL_SCRIPT_PROBLEMS
 from labkit.exercises import ch08_deploy as ex
 from labkit.lab import detect
 

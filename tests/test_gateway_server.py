@@ -27,14 +27,17 @@ from labkit.gateway import (
     BackendPool,
     Endpoint,
     Gateway,
+    GatewayConfig,
     NoEndpointError,
     Router,
     RoutingRequest,
     SaturatedError,
+    make_router,
     parse_backend_metrics,
     routing_request,
 )
-from labkit.launch import ServeConfig, ServerProcess, command_for, free_port
+from labkit.launch import ServeConfig, command_for
+from labkit.process import ServerProcess, free_port
 
 MODEL = "tiny"
 
@@ -163,7 +166,7 @@ def test_parse_backend_metrics_sums_counts_and_averages_usage_over_engines():
 
 def test_pool_ejects_after_n_failures_and_readmits_after_m_good_probes():
     events = []
-    pool = BackendPool(["http://127.0.0.1:1/"], eject_after=3, readmit_after=2,
+    pool = BackendPool(["http://127.0.0.1:1/"], GatewayConfig(eject_after=3, readmit_after=2),
                        on_eject=lambda e: events.append("eject"),
                        on_readmit=lambda e: events.append("readmit"))
     (endpoint,) = pool.endpoints
@@ -195,14 +198,39 @@ def test_ttft_ewma_weights_the_newest_sample_by_a_quarter():
 
 def test_bad_settings_name_the_parameter():
     with pytest.raises(ParameterError) as err:
-        Gateway(["http://127.0.0.1:1"], "round_robin", eject_after=0)
+        GatewayConfig("round_robin", eject_after=0)
     assert err.value.param == "eject_after"
     with pytest.raises(ParameterError) as err:
-        Gateway(["ftp://example"], "round_robin")
+        Gateway(["ftp://example"], GatewayConfig("round_robin"))
     assert err.value.param == "url"
     with pytest.raises(ParameterError) as err:
-        Gateway(["http://127.0.0.1:1"], "fastest")
+        GatewayConfig("fastest")
     assert err.value.param == "strategy"
+    for field, bad in (("session_header", ""), ("max_request_bytes", 0), ("read_timeout_s", 0),
+                       ("probe_interval_s", -1), ("readmit_after", 1.5),
+                       ("drain_timeout_s", float("inf"))):
+        with pytest.raises(ParameterError) as err:
+            GatewayConfig(**{field: bad})
+        assert err.value.param == field and str(err.value).startswith(field)
+    with pytest.raises(ParameterError) as err:
+        Gateway(["http://127.0.0.1:1"], "round_robin")  # a strategy goes in the config
+    assert err.value.param == "config"
+
+
+def test_config_defaults_are_vllm_router_s_and_the_endpoint_picker_s_ratio():
+    """vllm-router 0.1.17's ``router_args.py``: health_failure_threshold 3,
+    health_success_threshold 2, health_check_timeout_secs 5, worker_startup_timeout_secs 600;
+    its client's connect timeout 10 s and request timeout 1800 s. The endpoint picker calls
+    metrics stale after 200 ms at a 50 ms scrape: 4 intervals."""
+    config = GatewayConfig()
+    assert (config.eject_after, config.readmit_after, config.probe_timeout_s) == (3, 2, 5.0)
+    assert (config.worker_startup_timeout_s, config.connect_timeout_s,
+            config.read_timeout_s) == (600.0, 10.0, 1800.0)
+    assert GatewayConfig(scrape_interval_s=0.05).metrics_staleness_s == pytest.approx(0.2)
+    gateway = Gateway(["http://127.0.0.1:1"], GatewayConfig(scrape_interval_s=0.5, seed=1))
+    assert gateway.pool.config is gateway.config
+    detector = gateway.router.filters[1]  # routable, then the saturation detector
+    assert detector.metrics_staleness_s == pytest.approx(2.0)
 
 
 def test_routing_request_sees_the_prompt_text():
@@ -224,7 +252,7 @@ def test_stream_passes_through_event_by_event(backends):
     body = completion(max_tokens=400, ignore_eos=True, stream=True)
     with httpx.stream("POST", a + "/v1/completions", json=body, timeout=60) as direct:
         expected = [e["choices"] if e != "[DONE]" else e for e in sse_events(direct.iter_lines())]
-    with running(Gateway([a], "round_robin")) as gw:
+    with running(Gateway([a], GatewayConfig("round_robin"))) as gw:
         with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=60) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = response.iter_lines()
@@ -239,11 +267,11 @@ def test_stream_passes_through_event_by_event(backends):
 def test_models_union_and_health(tiny, backends):
     (a, _), _ = backends
     with serve_tiny_model(tiny, "tiny-chat", max_model_len=128) as (c, _):
-        with running(Gateway([a, c, dead_url()], "round_robin")) as gw:
+        with running(Gateway([a, c, dead_url()], GatewayConfig("round_robin"))) as gw:
             ids = [m["id"] for m in httpx.get(gw + "/v1/models").json()["data"]]
             assert sorted(ids) == ["tiny", "tiny-chat"]
             assert httpx.get(gw + "/health").status_code == 200
-    with running(Gateway([dead_url(), dead_url()], "round_robin")) as gw:
+    with running(Gateway([dead_url(), dead_url()], GatewayConfig("round_robin"))) as gw:
         assert httpx.get(gw + "/health").status_code == 503
         assert httpx.get(gw + "/v1/models").status_code == 503
         refused = httpx.post(gw + "/v1/completions", json=completion())
@@ -255,7 +283,7 @@ def test_models_union_and_health(tiny, backends):
 
 def test_api_key_guards_v1_and_admin_but_not_probes(backends):
     (a, _), _ = backends
-    with running(Gateway([a], "round_robin", api_key="s3cret")) as gw:
+    with running(Gateway([a], GatewayConfig("round_robin", api_key="s3cret"))) as gw:
         refused = httpx.post(gw + "/v1/completions", json=completion())
         assert refused.status_code == 401
         assert refused.json()["error"]["type"] == "AuthenticationError"
@@ -274,7 +302,7 @@ def test_api_key_guards_v1_and_admin_but_not_probes(backends):
 
 def test_request_size_limit(backends):
     (a, _), _ = backends
-    with running(Gateway([a], "round_robin", max_request_bytes=1000)) as gw:
+    with running(Gateway([a], GatewayConfig("round_robin", max_request_bytes=1000))) as gw:
         big = completion(prompt="x" * 2000)
         declared = httpx.post(gw + "/v1/completions", json=big)
         assert declared.status_code == 413
@@ -301,7 +329,7 @@ def test_backend_errors_pass_through_unchanged(backends, body):
     headers = {"content-type": "application/json"}
     direct = httpx.post(a + "/v1/completions", content=body, headers=headers)
     assert 400 <= direct.status_code < 500
-    with running(Gateway([a, b], "round_robin")) as gw:
+    with running(Gateway([a, b], GatewayConfig("round_robin"))) as gw:
         for _ in range(2):  # both backends
             proxied = httpx.post(gw + "/v1/completions", content=body, headers=headers)
             assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content)
@@ -313,7 +341,7 @@ def test_multibyte_prompts_and_outputs_arrive_intact(backends):
     (a, _), _ = backends
     prompt = "Grüße, 世界! 🙂 Ünïcödé ½ — ok"
     messages = [{"role": "user", "content": prompt}]
-    with running(Gateway([a], "round_robin")) as gw:
+    with running(Gateway([a], GatewayConfig("round_robin"))) as gw:
         for path, body in (("/v1/completions", completion(prompt, max_tokens=24)),
                            ("/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                      "max_tokens": 24, "temperature": 0})):
@@ -345,20 +373,20 @@ def test_retry_on_another_backend_before_the_first_byte(backends):
     (a, _), _ = backends
     # A backend answering 500, tried first every time: each request goes on to the good one.
     with serve_asgi(fake_backend(500)) as broken:
-        with running(Gateway([broken, a], InOrder(), eject_after=100)) as gw:
+        with running(Gateway([broken, a], GatewayConfig(InOrder(), eject_after=100))) as gw:
             for _ in range(4):
                 assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
             assert gateway_metric(gw, "labkit_gateway_retries_total", backend=broken) == 4
             assert gateway_metric(gw, "labkit_gateway_requests_total", backend=a,
                                   status="200") == 4
         # Alone, its own 500 goes back to the client unchanged.
-        with running(Gateway([broken], InOrder(), eject_after=100)) as gw:
+        with running(Gateway([broken], GatewayConfig(InOrder(), eject_after=100))) as gw:
             answer = httpx.post(gw + "/v1/completions", json=completion())
             assert answer.status_code == 500 and answer.json()["error"]["message"] == "boom"
     # A backend that was healthy at start, then died between two probes: connection refused.
     stack = contextlib.ExitStack()
     gone = stack.enter_context(serve_asgi(fake_backend(500)))
-    gateway = Gateway([gone, a], InOrder(), probe_interval_s=60)
+    gateway = Gateway([gone, a], GatewayConfig(InOrder(), probe_interval_s=60))
     with running(gateway) as gw:
         stack.close()
         for _ in range(2):
@@ -374,7 +402,8 @@ def test_retry_on_another_backend_before_the_first_byte(backends):
 def test_read_timeouts_retry_before_the_first_byte_and_cut_after_it(backends):
     (a, _), _ = backends
     with serve_asgi(slow_backend(stall_s=1.5)) as slow:
-        gateway = Gateway([slow, a], InOrder(), read_timeout_s=0.3, eject_after=100)
+        gateway = Gateway([slow, a], GatewayConfig(InOrder(), read_timeout_s=0.3,
+                                                 eject_after=100))
         with running(gateway) as gw:
             # Nothing came back within the read timeout: the request goes on to ``a``.
             started = time.monotonic()
@@ -402,14 +431,14 @@ def test_429_with_retry_after_when_every_backend_is_saturated(backends):
         def pick(self, request, endpoints, now):
             raise SaturatedError("all busy", retry_after_s=2.5)
 
-    with running(Gateway([a], AlwaysSaturated())) as gw:
+    with running(Gateway([a], GatewayConfig(AlwaysSaturated()))) as gw:
         shed = httpx.post(gw + "/v1/completions", json=completion())
         assert shed.status_code == 429 and shed.headers["retry-after"] == "3"
         assert shed.json()["error"]["type"] == "RateLimitError"
     # The endpoint picker's saturation detector: metrics older than its staleness bound count
     # as saturated. Scraped once at start and not again for a minute, they soon are.
-    stale = Gateway([a], "endpoint_picker", scrape_interval_s=60,
-                    router_options={"metrics_staleness_s": 0.2})
+    picker = make_router("endpoint_picker", metrics_staleness_s=0.2)
+    stale = Gateway([a], GatewayConfig(picker, scrape_interval_s=60))
     with running(stale) as gw:
         assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
         time.sleep(0.3)
@@ -417,26 +446,54 @@ def test_429_with_retry_after_when_every_backend_is_saturated(backends):
         assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
 
 
-def test_client_leaving_mid_stream_frees_the_backend(backends):
-    (a, engine), _ = backends
-    gateway = Gateway([a], "round_robin")
-    with running(gateway) as gw:
-        # Eight choices of 500 tokens: long enough that the client leaves mid-stream even on
-        # a busy machine (one choice of 400 takes the tiny model about 0.2 s).
-        body = completion(max_tokens=500, ignore_eos=True, stream=True, n=8, temperature=1.0)
-        with httpx.stream("POST", gw + "/v1/completions", json=body) as response:
-            next(line for line in response.iter_lines() if line.startswith("data: "))
-            assert gateway.pool.endpoints[0].in_flight == 1
-        # Generous bounds: on a loaded 2-core machine the abort can take seconds to land.
-        assert wait_for(lambda: not engine.engine.has_unfinished_requests(), 30)
-        assert wait_for(lambda: gateway_metric(gw, "labkit_gateway_requests_total",
-                                               backend=a, status="499") == 1, 30), \
-            httpx.get(gw + "/metrics").text[-2000:]
+def held_stream_backend() -> tuple[FastAPI, dict]:
+    """A healthy backend whose stream sends one event and then holds, until its client goes
+    away: the state "mid-stream" lasts as long as the test needs, on any machine's speed.
+    ``state["closed"]`` is set once the backend sees its stream end."""
+    app = FastAPI()
+    app.get("/health")(lambda: PlainTextResponse(""))
+    app.get("/metrics")(lambda: PlainTextResponse(""))
+    state = {"closed": False}
+
+    @app.post("/v1/completions")
+    async def completions():
+        async def events():
+            try:
+                yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "one"}]}\n\n'
+                await asyncio.Event().wait()  # held: nothing ever sets it
+            finally:
+                state["closed"] = True
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, state
+
+
+def test_client_leaving_mid_stream_frees_the_backend():
+    app, state = held_stream_backend()
+    with serve_asgi(app) as backend:
+        gateway = Gateway([backend], GatewayConfig("round_robin"))
+        with running(gateway) as gw:
+            body = completion(max_tokens=500, stream=True)
+            with httpx.stream("POST", gw + "/v1/completions", json=body) as response:
+                # Keep the line iterator: a discarded one is closed at once, and closing it
+                # closes the connection, so the client would leave before the assert.
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                assert gateway.pool.endpoints[0].in_flight == 1  # the backend holds it
+            # The gateway notices its client left, closes the upstream stream, and counts a
+            # 499; generous bounds, since a loaded machine may take seconds to get there.
+            assert wait_for(lambda: state["closed"], 30)
+            assert wait_for(lambda: gateway.pool.endpoints[0].in_flight == 0, 30)
+            assert wait_for(lambda: gateway_metric(gw, "labkit_gateway_requests_total",
+                                                   backend=backend, status="499") == 1, 30), \
+                httpx.get(gw + "/metrics").text[-2000:]
 
 
 def test_admin_add_drain_and_remove(tiny, backends):
     (a, _), (b, _) = backends
-    gateway = Gateway([a], "round_robin", probe_interval_s=0.05, worker_startup_timeout_s=0.3)
+    gateway = Gateway([a], GatewayConfig("round_robin", probe_interval_s=0.05,
+                                         worker_startup_timeout_s=0.3))
     with running(gateway) as gw:
         added = httpx.post(gw + "/add_worker", params={"url": b + "/"})
         assert (added.status_code, added.text) == (200, f"Successfully added worker: {b}")
@@ -488,8 +545,8 @@ def test_load_with_a_backend_killed_mid_stream_and_restarted(tiny, backends):
                       max_num_seqs=1)
     command = command_for("labkit", cfg)
     victim = ServerProcess(command, cfg.base_url).start()
-    gateway = Gateway([a, b, cfg.base_url], "least_requests", probe_interval_s=0.1,
-                      eject_after=3, readmit_after=2)
+    gateway = Gateway([a, b, cfg.base_url], GatewayConfig("least_requests", probe_interval_s=0.1,
+                                                         eject_after=3, readmit_after=2))
     results: list[tuple[int, list]] = []
     try:
         with running(gateway) as gw:

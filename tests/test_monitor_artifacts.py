@@ -13,6 +13,7 @@ from labkit.monitor.artifacts import (GRAFANA_SCHEMA_VERSION, dashboard, overloa
                                       panel_queries, promtool, recording_rules, rule_tests,
                                       rules_file, scrape_config)
 from labkit.monitor.conformance import lint_queries
+from labkit.units import prometheus_duration
 
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None,
@@ -76,6 +77,30 @@ def test_promtool_accepts_config_rules_and_their_unit_tests(tmp_path):
     assert "6 rules found" in promtool(["check", "rules"], {"rules.yml": rules})
     tests = rule_tests(chapter_rules(), overload_script())
     assert "SUCCESS" in promtool(["test", "rules"], {"tests.yml": tests, "rules.yml": rules})
+
+
+def test_prometheus_durations_by_hand():
+    assert [prometheus_duration(s) for s in (0, 15, 90, 1.5, 0.3 * 3)] == \
+        ["0s", "15s", "90s", "1500ms", "900ms"]
+    with pytest.raises(ParameterError) as err:
+        prometheus_duration(0.0005, "window_s")
+    assert err.value.param == "window_s" and "whole number of milliseconds" in str(err.value)
+    with pytest.raises(ParameterError):
+        prometheus_duration(-1)
+
+
+@needs_promtool
+def test_promtool_reads_every_duration_form(tmp_path):
+    # Prometheus' own parser takes the config's intervals and a rule's for: and window.
+    config = scrape_config(["http://127.0.0.1:8001"], scrape_interval_s=1.5,
+                           evaluation_interval_s=90, rule_files=["rules.yml"])
+    assert config["global"] == {"scrape_interval": "1500ms", "scrape_timeout": "1500ms",
+                                "evaluation_interval": "90s"}
+    rules = rules_file([preemption_rate_above(0.1, window_s=2.5, for_s=0)])
+    assert rules["groups"][0]["rules"][0]["for"] == "0s"
+    assert "[2500ms]" in rules["groups"][0]["rules"][0]["expr"]
+    assert "SUCCESS" in promtool(["check", "config"], {"prometheus.yml": config,
+                                                       "rules.yml": rules})
 
 
 @needs_promtool

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
-from labkit.monitor.conformance import (TUTORIAL_MONITOR_LOOKUPS, check_exposition,
-                                        lint_queries, lint_substring_lookups, load_reference,
-                                        metric_names_in, one_two_five)
+from labkit.monitor.conformance import (check_exposition, lint_queries, lint_substring_lookups,
+                                        load_reference, metric_names_in, one_two_five)
+from labkit.tutorial.ch08_monitoring import TUTORIAL_MONITOR_LOOKUPS
 
 VLLM_METRICS = pathlib.Path(__file__).resolve().parents[1] / (
     ".venv-vllm/lib/python3.11/site-packages/vllm/v1/metrics")

@@ -9,14 +9,16 @@ import shutil
 import pytest
 from conftest import serve_tiny_model
 
-from labkit.bench import BenchRequest
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
+from labkit.harness.load_phases import LoadPhase, scripted_load
 from labkit.monitor.artifacts import promtool, recording_rules
-from labkit.monitor.live_dashboard import (LiveDashboard, LoadPhase, Panel, default_panels,
-                                      scripted_load)
-from labkit.monitor.prometheus import ActiveAlert, LabkitMonitor, Monitor, evaluate
+from labkit.monitor.base import ActiveAlert, Monitor
+from labkit.monitor.fallback import LabkitMonitor
+from labkit.monitor.live_dashboard import LiveDashboard, Panel, default_panels
+from labkit.monitor.promql import evaluate
 from labkit.monitor.series import SeriesStore, labels_of
+from labkit.simulate import BenchRequest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,7 +1,8 @@
-"""labkit.monitor.prometheus (chapter 8): the real Prometheus scraping two ``labkit serve``
-processes and a gateway, its PromQL against labkit.monitor's math on the same samples, the
-fallback's subset of PromQL (hand-computed values, and equal answers to Prometheus'), and the
-queue alert going pending, firing and resolved under a scripted load."""
+"""labkit.monitor.prometheus, .promql, .fallback and .alert_watcher (chapter 8): the real
+Prometheus scraping two ``labkit serve`` processes and a gateway, its PromQL against
+labkit.monitor's math on the same samples, the fallback's subset of PromQL (hand-computed
+values, and equal answers to Prometheus'), and the queue alert going pending, firing and
+resolved under a scripted load."""
 
 import asyncio
 import contextlib
@@ -13,12 +14,15 @@ import pytest
 
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
-from labkit.gateway.loadgen import BackendFleet, run_requests, start_gateway, varied_requests
+from labkit.harness.fleet import BackendFleet, start_gateway
+from labkit.harness.load import run_requests, varied_requests
+from labkit.harness.load_phases import LoadPhase, scripted_load
 from labkit.monitor import histogram_quantile, sum_rate, waiting_queue_above
-from labkit.monitor.live_dashboard import LoadPhase, scripted_load
-from labkit.monitor.prometheus import (PROMETHEUS_ENV, ActiveAlert, AlertWatcher, LabkitMonitor,
-                                       PrometheusServer, UnsupportedQuery, rfc3339_s, evaluate,
-                                       prometheus_binary, start_monitor)
+from labkit.monitor.alert_watcher import AlertWatcher
+from labkit.monitor.base import ActiveAlert
+from labkit.monitor.fallback import LabkitMonitor, start_monitor
+from labkit.monitor.prometheus import PROMETHEUS_ENV, PrometheusServer, prometheus_binary, rfc3339_s
+from labkit.monitor.promql import UnsupportedQuery, evaluate
 from labkit.monitor.series import SeriesStore
 
 needs_prometheus = pytest.mark.skipif(
@@ -108,6 +112,15 @@ def test_prometheus_can_be_hidden(monkeypatch, tmp_path):
         PrometheusServer(["http://127.0.0.1:9"])
     with pytest.raises(ParameterError):
         LabkitMonitor([])
+
+
+def test_a_prometheus_that_exits_at_start_is_reported_and_cleaned_up():
+    # Started like every labkit server (labkit.process.ServerProcess, ready on /-/ready):
+    # a binary that exits at once raises with its exit code, and leaves no folder behind.
+    monitor = PrometheusServer(["http://127.0.0.1:9"], binary="/bin/false")
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        monitor.start()
+    assert monitor._server is None and monitor._folder is None
 
 
 class ScriptedAlerts:

@@ -10,9 +10,10 @@ from conftest import serve_tiny_model
 
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
-from labkit.launch import free_port
-from labkit.monitor import (HealthChecker, RuleEvaluator, Scraper, backend_down,
-                            histogram_quantile, increase, latest_values, parse_samples)
+from labkit.http.metrics import parse_samples
+from labkit.monitor import (HealthChecker, RuleEvaluator, Scraper, backend_down, histogram_quantile,
+                            increase, latest_values)
+from labkit.process import free_port
 
 
 @pytest.fixture(scope="module")

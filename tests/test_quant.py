@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from labkit.checks import ParameterError
 from labkit.quant import (awq_quantize, fp8_max, gptq_quantize, output_error, pack_int4,
                           quantize, quantize_fp8, smooth_scales, unpack_int4, w8a8_output)
 
@@ -164,5 +165,6 @@ def test_smoothquant_rescues_w8a8_with_outliers():
     (lambda: smooth_scales(np.ones((2, 2)), np.ones((2, 2)), 1.5), "alpha must be in"),
 ])
 def test_bad_input(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ParameterError, match=match) as err:
         call()
+    assert err.value.param and str(err.value).startswith(err.value.param)

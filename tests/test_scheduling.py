@@ -86,8 +86,9 @@ def test_request_that_can_never_fit_is_refused():
     sched = Scheduler(KVCacheManager(num_blocks=2, block_size=4))
     with pytest.raises(ValueError, match="more than the cache's 2 blocks"):
         sched.add_request(req("x", 8, 4))
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_tokens of request 'y' must be an integer") as err:
         Request("y", [1], [])
+    assert err.value.param == "max_tokens"
     with pytest.raises(ValueError, match="max_num_seqs must be a positive"):
         SchedulerConfig(max_num_seqs=0)
 

@@ -13,7 +13,7 @@ from conftest import serve_in_thread
 
 from labkit.engine import EngineArgs, write_tiny_model
 from labkit.engine.async_engine import AsyncLLMEngine
-from labkit.launch import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port
 
 MODEL = "tiny"
 
@@ -98,5 +98,6 @@ def test_sigterm_with_a_stream_open_exits_within_5_s(tiny):
                 "stream": True}
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
                           timeout=20) as response:
-            next(line for line in response.iter_lines() if line.startswith("data: {"))
+            lines = response.iter_lines()  # kept: a discarded iterator closes the stream
+            next(line for line in lines if line.startswith("data: {"))
             assert sigterm_takes_s(server) < 5

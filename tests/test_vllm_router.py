@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
 from labkit.engine.tokenizer import Tokenizer
-from labkit.gateway.vllm_router import POLICIES, router_command, start_router
-from labkit.launch import ServeConfig, ServerProcess, free_port, labkit_command
+from labkit.harness.vllm_router import POLICIES, router_command, start_router
+from labkit.launch import ServeConfig, labkit_command
+from labkit.process import ServerProcess, free_port
 
 router_args = pytest.importorskip("vllm_router.router_args")
 

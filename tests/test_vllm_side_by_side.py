@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 
 import httpx
@@ -33,7 +32,9 @@ import pytest
 from conftest import serve_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
-from labkit.launch import lab_model
+from labkit.harness.lab_engines import lab_model
+from labkit.http.metrics import sample_totals
+from labkit.process import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -523,8 +524,7 @@ COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
 
 
 def counters(base: str) -> dict[str, float]:
-    return {s.name: s.value for f in scrape(base).values() for s in f.samples
-            if s.name in COUNTERS}
+    return sample_totals(httpx.get(base + "/metrics", timeout=10).text, COUNTERS)
 
 
 def test_counters_move_alike_on_a_shared_prefix_workload(bases, clients):
@@ -539,14 +539,15 @@ def test_counters_move_alike_on_a_shared_prefix_workload(bases, clients):
         for question in questions:
             clients[name].completions.create(model=MODEL, prompt=prefix + question, max_tokens=4,
                                              temperature=0, extra_body={"ignore_eos": True})
-        deadline = time.monotonic() + 10
-        while True:
-            after = counters(base)
+        after = {}
+
+        def all_counted(base=base, before=before, after=after) -> bool:
+            after.update(counters(base))
             done = after["vllm:e2e_request_latency_seconds_count"] - before.get(
                 "vllm:e2e_request_latency_seconds_count", 0)
-            if done >= len(questions) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+            return done >= len(questions)
+
+        wait_until(all_counted, 10, 0.1, what=f"{name} counting every request")
         deltas[name] = {k: after[k] - before.get(k, 0) for k in COUNTERS}
     assert deltas["labkit"] == deltas["vllm"]
     assert deltas["vllm"]["vllm:prefix_cache_hits_total"] >= 2 * 256  # two blocks, twice

@@ -1,12 +1,13 @@
 """Autoscaling an inference fleet (chapter 5: :ref:`ch05-autoscaling-signal`,
 :ref:`ch05-hpa-kpa-keda`).
 
-- policies on an injected clock, one module each: :mod:`~labkit.autoscale.tutorial` (the
-  tutorial's thresholds, as written and fixed), :mod:`~labkit.autoscale.hpa` (Kubernetes'
+- policies on an injected clock, one module each: :mod:`~labkit.autoscale.threshold` (the
+  tutorial's thresholds with the clock fixed), :mod:`~labkit.autoscale.hpa` (Kubernetes'
   HPA), :mod:`~labkit.autoscale.knative` (Knative's KPA), :mod:`~labkit.autoscale.keda`
   (KEDA's activation); :mod:`~labkit.autoscale.observation`, what they all read.
 - :mod:`~labkit.autoscale.simulate`: chapter 3's simulated servers as a fleet with cold
-  starts, driven by bursty and diurnal traces; p99 TTFT, SLO attainment, replica-hours.
+  starts, driven by bursty and diurnal traces (each a :class:`labkit.simulate.Workload`);
+  p99 TTFT, SLO attainment, replica-hours.
 - :mod:`~labkit.autoscale.controller`: the same loop for real, on one machine: it starts and
   stops ``labkit serve`` processes behind :mod:`labkit.gateway`, scaling on their scraped
   metrics and draining before it stops one (needs the ``serve`` extra).
@@ -20,11 +21,10 @@ from labkit.autoscale.keda import KedaAutoscaler
 from labkit.autoscale.knative import KPADecision, KnativePodAutoscaler
 from labkit.autoscale.observation import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING,
                                           WAITING, Observation, PodMetrics, Policy)
-from labkit.autoscale.tutorial import (GPUMetric, ScaleEvent, ThresholdPolicy, ThresholdRule,
-                                       TutorialAutoScaler, demo_metric, threshold_demo,
-                                       tutorial_demo)
+from labkit.autoscale.threshold import (GPUMetric, ScaleEvent, ThresholdPolicy, ThresholdRule,
+                                        demo_metric, threshold_demo)
 from labkit.autoscale.simulate import (COLD_START_S, AutoscaleResult, FleetConfig,
-                                       PolicySummary, ReplicaRecord, Timeline, Trace,
+                                       PolicySummary, ReplicaRecord, Timeline,
                                        bursty_trace, compare_policies, comparison_table,
                                        diurnal_trace, simulate_autoscaling, step_trace,
                                        trace_from_rate)
@@ -35,8 +35,7 @@ __all__ = [
     "HPADecision", "HPAScalingPolicy", "HPAScalingRules", "HorizontalPodAutoscaler",
     "KPADecision", "KedaAutoscaler", "KnativePodAutoscaler", "Observation", "PodMetrics",
     "Policy", "PolicySummary", "ReplicaRecord", "ScaleEvent", "ThresholdPolicy",
-    "ThresholdRule", "Timeline", "Trace", "TutorialAutoScaler", "bursty_trace",
-    "compare_policies", "comparison_table", "demo_metric", "diurnal_trace",
-    "simulate_autoscaling", "step_trace", "threshold_demo", "trace_from_rate",
-    "tutorial_demo",
+    "ThresholdRule", "Timeline", "bursty_trace", "compare_policies", "comparison_table",
+    "demo_metric", "diurnal_trace", "simulate_autoscaling", "step_trace", "threshold_demo",
+    "trace_from_rate",
 ]

@@ -46,16 +46,25 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 from labkit.autoscale.knative import KnativePodAutoscaler
-from labkit.autoscale.observation import (CONCURRENCY, KV_CACHE_USAGE, RUNNING, WAITING,
-                                          Observation, PodMetrics, Policy)
-from labkit.checks import ParameterError, in_range, positive_int
-from labkit.gateway.backends import (
-    DEFAULT_PROBE_TIMEOUT_S,
-    normalize_url,
-    parse_backend_metrics,
+from labkit.autoscale.observation import (
+    CONCURRENCY,
+    KV_CACHE_USAGE,
+    RUNNING,
+    WAITING,
+    Observation,
+    PodMetrics,
+    Policy,
 )
-from labkit.gateway.server import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_WORKER_STARTUP_TIMEOUT_S
-from labkit.launch import ServeConfig, ServerProcess, free_port, labkit_command
+from labkit.checks import ParameterError, in_range, positive_int
+from labkit.gateway.backends import parse_backend_metrics
+from labkit.gateway.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_PROBE_TIMEOUT_S,
+    DEFAULT_WORKER_STARTUP_TIMEOUT_S,
+)
+from labkit.http.urls import normalize_url
+from labkit.launch import ServeConfig, labkit_command
+from labkit.process import ServerProcess, free_port, wait_until
 
 # A replica's phase, in the words of ``kubectl get pods``.
 STARTING = "starting"        # process started, not yet healthy and added to the gateway
@@ -297,9 +306,9 @@ class ProcessAutoscaler:
         self._started = True
         with self._lock:
             first = [self._launch() for _ in range(self.initial_replicas)]
-        deadline = time.monotonic() + self.startup_timeout_s + 30
-        while any(r.phase == STARTING for r in first) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):  # what did not start is reported below
+            wait_until(lambda: all(r.phase != STARTING for r in first),
+                       self.startup_timeout_s + 30, 0.05, what="the initial replicas started")
         if any(r.phase != READY for r in first):
             detail = next((e.detail for e in self.events if e.kind == "failed"),
                           "not ready in time")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from labkit.autoscale.observation import WAITING, Observation
 from labkit.checks import ParameterError, in_range, positive_int
+from labkit.units import ceil_tolerant
 
 HPA_TOLERANCE = 0.1
 """``--horizontal-pod-autoscaler-tolerance``: no change while the ratio is within 10 %
@@ -269,7 +270,7 @@ class HorizontalPodAutoscaler:
 def _milli(value: float) -> int:
     """A metric value as the HPA holds it: a Kubernetes quantity's ``MilliValue()``, which
     rounds up (the rounding at 6 decimals only absorbs binary floating-point noise)."""
-    return math.ceil(round(value * 1000, 6))
+    return ceil_tolerant(value * 1000, 6)
 
 
 def _usage_ratio(values, target_milli: int) -> float:

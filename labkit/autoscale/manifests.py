@@ -11,9 +11,10 @@ dumped as YAML and validated offline:
   against the Kubernetes 1.37 schema, strict (unknown fields rejected);
 - a KEDA ``ScaledObject`` with a prometheus trigger on ``sum(vllm:num_requests_waiting)``
   (the prometheus scaler rejects a query that returns more than one series); KEDA's CRD is
-  not in the Kubernetes schema, so :func:`validate_scaled_object` checks the fields of the
-  ``keda.sh/v1alpha1`` CRD of KEDA v2.20.2 (config/crd/bases/keda.sh_scaledobjects.yaml)
-  and the prometheus trigger's metadata (pkg/scalers/prometheus_scaler.go).
+  not in the Kubernetes schema, so :func:`validate_scaled_object` checks it against the
+  ``keda.sh/v1alpha1`` CRD schema of KEDA v2.20.2 (config/crd/bases/keda.sh_scaledobjects.yaml,
+  stored as data in ``labkit/data/keda_scaledobject_v1alpha1.schema.json``), strict, and the
+  prometheus trigger's metadata (pkg/scalers/prometheus_scaler.go).
 
 The ``*_for`` functions take the policy objects of :mod:`labkit.autoscale.hpa` and
 :mod:`labkit.autoscale.keda`, so the policy that was simulated is the one deployed. Needs
@@ -22,6 +23,8 @@ the ``gateway`` extra (kubernetes-validate, which brings PyYAML and jsonschema).
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections.abc import Mapping
 
@@ -34,6 +37,7 @@ from labkit.autoscale.hpa import (DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP, HPA_TOLE
 from labkit.autoscale.keda import KedaAutoscaler
 from labkit.autoscale.observation import WAITING
 from labkit.checks import ParameterError, in_range, positive_int
+from labkit.data import read_json
 
 KUBERNETES_VERSION = "1.37"
 KEDA_VERSION = "2.20.2"
@@ -226,103 +230,70 @@ def scaled_object_manifest_for(keda: KedaAutoscaler, deployment: str, *, server_
         cooldown_period_s=int(keda.cooldown_period_s), metric=keda.metric, namespace=namespace)
 
 
-_INT32 = {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}
-_NUMBER_STRING = {"type": "string", "pattern": r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"}
-
-# The ScaledObject's fields and constraints in KEDA v2.20.2's CRD (keda.sh_scaledobjects.yaml,
-# version v1alpha1), written out; the prometheus trigger's required metadata and number
-# fields from its scaler (serverAddress, query, threshold; threshold and activationThreshold
-# parse as floats).
-SCALED_OBJECT_SCHEMA = {
+#: The envelope of a ScaledObject (the CRD's schema types ``apiVersion`` and ``kind`` as any
+#: string; the API server routes on them) and the prometheus trigger's required metadata and
+#: number fields, from its scaler (pkg/scalers/prometheus_scaler.go: serverAddress, query,
+#: threshold; threshold and activationThreshold parse as floats).
+_SCALED_OBJECT_RULES = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
     "properties": {
         "apiVersion": {"const": "keda.sh/v1alpha1"},
         "kind": {"const": "ScaledObject"},
-        "metadata": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string"},
-                                    "namespace": {"type": "string"}}},
-        "spec": {
-            "type": "object",
-            "required": ["scaleTargetRef", "triggers"],
-            "additionalProperties": False,
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object", "required": ["name"], "additionalProperties": False,
-                    "properties": {"apiVersion": {"type": "string"},
-                                   "kind": {"type": "string"},
-                                   "name": {"type": "string"},
-                                   "envSourceContainerName": {"type": "string"}}},
-                "pollingInterval": {**_INT32, "minimum": 1},
-                "cooldownPeriod": {**_INT32, "minimum": 0},
-                "initialCooldownPeriod": {**_INT32, "minimum": 0},
-                "idleReplicaCount": {**_INT32, "minimum": 0},
-                "minReplicaCount": {**_INT32, "minimum": 0},
-                "maxReplicaCount": {**_INT32, "minimum": 1},
-                "fallback": {
-                    "type": "object", "required": ["failureThreshold", "replicas"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "failureThreshold": {**_INT32, "minimum": 0},
-                        "replicas": {**_INT32, "minimum": 0},
-                        "behavior": {"enum": ["static", "currentReplicas",
-                                              "currentReplicasIfHigher",
-                                              "currentReplicasIfLower", "scalingModifiers"]}}},
-                "advanced": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {
-                        "horizontalPodAutoscalerConfig": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {"name": {"type": "string"},
-                                           "behavior": {"type": "object"}}},
-                        "restoreToOriginalReplicaCount": {"type": "boolean"},
-                        "scalingModifiers": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {
-                                "activationTarget": {"type": "string"},
-                                "formula": {"type": "string"},
-                                "metricType": {"enum": ["AverageValue", "Value"]},
-                                "target": {"type": "string"}}}}},
-                "triggers": {
-                    "type": "array", "minItems": 1,
-                    "items": {
-                        "type": "object", "required": ["metadata", "type"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "type": {"type": "string"},
-                            "name": {"type": "string"},
-                            "metricType": {"type": "string"},
-                            "useCachedMetrics": {"type": "boolean"},
-                            "metadata": {"type": "object",
-                                         "additionalProperties": {"type": "string"}},
-                            "authenticationRef": {
-                                "type": "object", "required": ["name"],
-                                "additionalProperties": False,
-                                "properties": {"name": {"type": "string"},
-                                               "kind": {"enum": [
-                                                   "TriggerAuthentication",
-                                                   "ClusterTriggerAuthentication"]}}}},
-                        "if": {"properties": {"type": {"const": "prometheus"}}},
-                        "then": {"properties": {"metadata": {
-                            "required": ["serverAddress", "query", "threshold"],
-                            "properties": {"threshold": _NUMBER_STRING,
-                                           "activationThreshold": _NUMBER_STRING}}}}}},
-            },
-        },
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {"properties": {"triggers": {"items": {
+            "if": {"properties": {"type": {"const": "prometheus"}}, "required": ["type"]},
+            "then": {"properties": {"metadata": {
+                "required": ["serverAddress", "query", "threshold"],
+                "properties": {"threshold": {"$ref": "#/$defs/number"},
+                               "activationThreshold": {"$ref": "#/$defs/number"}}}}}}}}},
     },
+    "$defs": {"number": {"type": "string",
+                         "pattern": r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"}},
 }
 
 
+def strict(schema: Mapping) -> dict:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its
+    properties and says nothing about others: what the Kubernetes API server does to a
+    custom resource under strict field validation, and what catches a misspelled Helm value
+    (Helm ignores keys its templates never read). Objects marked
+    ``x-kubernetes-preserve-unknown-fields`` keep their freedom (chapters 5 and 8)."""
+    schema = copy.deepcopy(dict(schema))
+
+    def walk(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@functools.cache
+def _scaled_object_schema() -> dict:
+    """KEDA's CRD schema, stored in labkit/data with its source, strict (:func:`strict`)."""
+    return strict(read_json("keda_scaledobject_v1alpha1.schema.json"))
+
+
 def validate_scaled_object(manifest: Mapping) -> None:
-    """Check a ScaledObject against KEDA v2.20.2's CRD fields and the prometheus trigger's
-    metadata, and ``maxReplicaCount >= minReplicaCount`` (KEDA's admission webhook); raise
-    :class:`~labkit.checks.ParameterError` naming the field (``spec.pollingInterval``)."""
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(SCALED_OBJECT_SCHEMA).iter_errors(manifest))
-    if error is not None:
-        where = field_at_fault(error)
-        raise ParameterError(where, f"{where}: {error.message}")
+    """Check a ScaledObject against the ``keda.sh/v1alpha1`` CRD schema of KEDA v2.20.2
+    (config/crd/bases/keda.sh_scaledobjects.yaml, stored in labkit/data), strict, then the
+    prometheus trigger's metadata and the CRD's rule ``minReplicaCount <= maxReplicaCount``
+    (its ``x-kubernetes-validations``); raise :class:`~labkit.checks.ParameterError` naming
+    the field (``spec.pollingInterval``)."""
+    for schema in (_SCALED_OBJECT_RULES, _scaled_object_schema()):
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(schema).iter_errors(manifest))
+        if error is not None:
+            where = field_at_fault(error)
+            raise ParameterError(where, f"{where}: {error.message}")
     spec = manifest["spec"]
     low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
     if high < low:

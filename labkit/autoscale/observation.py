@@ -9,9 +9,9 @@ loop that passes ``time.monotonic()``.
 
 The policies, each in its own module:
 
-- :mod:`~labkit.autoscale.tutorial`: the tutorial's thresholds as it wrote them (its
-  cooldown reads the wall clock: kept so the lab can show the bug), its demo, and
-  ``ThresholdPolicy``, the same rule with the clock fixed.
+- :mod:`~labkit.autoscale.threshold`: ``ThresholdPolicy``, the tutorial's thresholds with the
+  clock fixed, and its demo (the tutorial's own autoscaler, whose cooldown reads the wall
+  clock, is kept in :mod:`labkit.tutorial.ch05_autoscaling` so the lab can show the bug).
 - :mod:`~labkit.autoscale.hpa`: Kubernetes' HPA (``autoscaling/v2``) as its controller
   computes it: ratio, tolerance, missing metrics, stabilization windows, rate policies.
 - :mod:`~labkit.autoscale.knative`: Knative's KPA: stable and panic windows, scale rates,

@@ -1,8 +1,9 @@
 """Autoscaling, simulated: a fleet of chapter 3's simulated servers under a policy
 (:ref:`ch05-hpa-kpa-keda`).
 
-Each replica is a vLLM-style engine from chapter 3: a :class:`~labkit.scheduling.Scheduler`
-over a :class:`~labkit.kvcache.KVCacheManager` sized by
+Each replica is a vLLM-style engine from chapter 3, built from a
+:class:`~labkit.simulate.deployment.Deployment` (the replica record chapter 6 prices too): a
+:class:`~labkit.scheduling.Scheduler` over a :class:`~labkit.kvcache.KVCacheManager` sized by
 :func:`~labkit.hardware.plan_kv_cache`, its steps timed by the roofline
 (:class:`~labkit.simulate.RooflineCost`) and taken by the fast simulator's stepper
 (:mod:`labkit.simulate.fast`), the scheduler's own code. Around them:
@@ -35,17 +36,15 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
 from labkit.autoscale.observation import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE_USAGE, RUNNING,
                                           WAITING, Observation, PodMetrics, Policy)
 from labkit.checks import ParameterError, in_range, positive_int
-from labkit.hardware import plan_kv_cache, vllm_batch_defaults
-from labkit.kvcache import KVCacheManager
-from labkit.scheduling import Request, Scheduler, SchedulerConfig
-from labkit.simulate import RooflineCost
+from labkit.scheduling import Request
+from labkit.simulate import Workload, random_length_bounds, random_lengths
+from labkit.simulate.deployment import Deployment
 # The fast simulator's stepper takes one step of one engine at a time, which is what a fleet
 # needs; its module keeps it private because simulate() is its only other user.
 from labkit.simulate.fast import cyclic_gc_paused, FastSimulator
@@ -64,76 +63,35 @@ image pull come on top when the cluster has no GPU node free."""
 # Traces
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Trace:
-    """Requests as arrays (chapter 5): arrival times (s, sorted), prompt and output lengths
-    (tokens)."""
-
-    arrival_s: np.ndarray
-    prompt_lens: np.ndarray
-    output_lens: np.ndarray
-    duration_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("arrival_s", "prompt_lens", "output_lens"):
-            object.__setattr__(self, name, np.asarray(getattr(self, name),
-                                                      dtype=float if name == "arrival_s" else int))
-        if not len(self.arrival_s) == len(self.prompt_lens) == len(self.output_lens):
-            raise ParameterError("arrival_s", "arrival_s, prompt_lens and output_lens must "
-                                              "have one entry per request")
-        if len(self.arrival_s) and (np.any(np.diff(self.arrival_s) < 0)
-                                    or self.arrival_s[0] < 0):
-            raise ParameterError("arrival_s", "arrival_s must be sorted and >= 0")
-        if np.any(self.prompt_lens < 1) or np.any(self.output_lens < 1):
-            raise ParameterError("prompt_lens", "every prompt and output needs >= 1 token")
-        in_range("duration_s", self.duration_s, 0, low_open=True)
-
-    def __len__(self) -> int:
-        return len(self.arrival_s)
-
-    def rate(self, bin_s: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
-        """Offered load: ``(bin start times, requests per second in each bin)``."""
-        in_range("bin_s", bin_s, 0, low_open=True)
-        edges = np.arange(0.0, self.duration_s + bin_s, bin_s)
-        counts, _ = np.histogram(self.arrival_s, edges)
-        return edges[:-1], counts / bin_s
-
-
 def trace_from_rate(rate: Callable[[np.ndarray], np.ndarray], peak_rate: float,
                     duration_s: float, *, input_len: int = 1024, output_len: int = 128,
-                    range_ratio: float = 0.0, seed: int = 0) -> Trace:
-    """Poisson arrivals whose rate (requests/s) follows ``rate(t)``, never above ``peak_rate``
-    (chapter 5).
+                    range_ratio: float = 0.0, seed: int = 0) -> Workload:
+    """A :class:`~labkit.simulate.Workload` of Poisson arrivals whose rate (requests/s)
+    follows ``rate(t)``, never above ``peak_rate``, over ``duration_s`` (chapter 5).
 
     Drawn by thinning: a Poisson process at ``peak_rate`` keeps each arrival at ``t`` with
     probability ``rate(t) / peak_rate``. Lengths follow ``vllm bench serve``'s random
-    dataset: uniform in ``[len * (1 - range_ratio), len * (1 + range_ratio)]``; its defaults
-    are 1024 input and 128 output tokens with ``range_ratio`` 0 (``--random-input-len``,
-    ``--random-output-len``, ``--random-range-ratio`` in vLLM 0.32's
-    ``vllm/benchmarks/datasets/datasets.py``).
+    dataset (:func:`labkit.simulate.random_lengths`, vLLM's rule exactly), drawn after the
+    arrivals from the same generator; its defaults are 1024 input and 128 output tokens with
+    ``range_ratio`` 0.
     """
     in_range("peak_rate", peak_rate, 0, low_open=True)
     in_range("duration_s", duration_s, 0, low_open=True)
-    positive_int("input_len", input_len)
-    positive_int("output_len", output_len)
-    in_range("range_ratio", range_ratio, 0, 1, high_open=True)
+    random_length_bounds(input_len, output_len, range_ratio)  # fail before drawing
     rng = np.random.default_rng(seed)
     candidates = np.sort(rng.uniform(0.0, duration_s, rng.poisson(peak_rate * duration_s)))
     rates = np.asarray(rate(candidates), dtype=float)
     if np.any(rates > peak_rate * (1 + 1e-9)) or np.any(rates < 0):
         raise ParameterError("rate", f"rate(t) must stay within [0, peak_rate={peak_rate}]")
     arrivals = candidates[rng.uniform(0.0, peak_rate, len(candidates)) < rates]
-
-    def lengths(mean: int) -> np.ndarray:
-        low = max(1, math.floor(mean * (1 - range_ratio)))
-        high = math.ceil(mean * (1 + range_ratio))
-        return rng.integers(low, high + 1, len(arrivals))
-
-    return Trace(arrivals, lengths(input_len), lengths(output_len), float(duration_s))
+    prompts, outputs = random_lengths(rng, len(arrivals), input_len, output_len, range_ratio)
+    return Workload(arrivals, prompts, outputs, float(duration_s), seed=seed,
+                    description=f"{len(arrivals)} requests in {duration_s:g} s, at most "
+                                f"{peak_rate:g}/s")
 
 
 def diurnal_trace(duration_s: float, peak_rate: float, trough_rate: float, *,
-                  period_s: float | None = None, seed: int = 0, **lengths) -> Trace:
+                  period_s: float | None = None, seed: int = 0, **lengths) -> Workload:
     """A day's cycle (chapter 5): the rate rises from ``trough_rate`` at t = 0 to
     ``peak_rate`` half a ``period_s`` later and back (a raised cosine); ``period_s`` defaults
     to the whole trace, one "day" compressed into it. ``lengths`` go to
@@ -150,7 +108,7 @@ def diurnal_trace(duration_s: float, peak_rate: float, trough_rate: float, *,
 
 def bursty_trace(duration_s: float, base_rate: float, burst_rate: float, *,
                  burst_every_s: float, burst_s: float, first_burst_s: float | None = None,
-                 seed: int = 0, **lengths) -> Trace:
+                 seed: int = 0, **lengths) -> Workload:
     """Bursty load (chapter 5): a steady ``base_rate`` with bursts of ``burst_rate`` lasting
     ``burst_s`` every ``burst_every_s`` seconds, the first at ``first_burst_s`` (default:
     after one period less the burst, so the trace starts calm). ``lengths`` go to
@@ -169,7 +127,8 @@ def bursty_trace(duration_s: float, base_rate: float, burst_rate: float, *,
     return trace_from_rate(rate, burst_rate, duration_s, seed=seed, **lengths)
 
 
-def step_trace(segments: Sequence[tuple[float, float]], *, seed: int = 0, **lengths) -> Trace:
+def step_trace(segments: Sequence[tuple[float, float]], *, seed: int = 0,
+               **lengths) -> Workload:
     """Piecewise-constant load (chapter 5): ``segments`` of ``(duration_s, rate)`` one after
     another, e.g. ``[(300, 1.0), (600, 8.0), (300, 1.0)]`` for a step up and back down."""
     if not segments:
@@ -189,24 +148,22 @@ def step_trace(segments: Sequence[tuple[float, float]], *, seed: int = 0, **leng
 # The fleet
 # ---------------------------------------------------------------------------------------------
 
+def _default_deployment() -> Deployment:
+    return Deployment("Llama-3-8B", "L40S", max_model_len=8192)
+
+
 @dataclass(frozen=True)
 class FleetConfig:
-    """Every replica of the fleet (chapter 5): one model on one GPU, as chapter 3 simulates it.
+    """The fleet (chapter 5): replicas of one :class:`~labkit.simulate.deployment.Deployment`
+    (by default Llama-3-8B on one L40S, ``max_model_len`` 8192, vLLM's defaults), how long a
+    new one takes to start, and how the gateway in front of them routes.
 
-    ``max_num_seqs`` and ``max_num_batched_tokens`` default to vLLM's for the GPU
-    (:func:`~labkit.hardware.vllm_batch_defaults`); the KV cache is what vLLM would allocate
-    at ``max_model_len`` (:func:`~labkit.hardware.plan_kv_cache`). ``routing`` is
+    ``cold_start_s`` runs from asking for a replica to its first request; ``routing`` is
     ``least_loaded`` (fewest requests in flight, lowest index on ties) or ``round_robin``.
     """
 
-    model: str = "Llama-3-8B"
-    gpu: str = "L40S"
+    deployment: Deployment = field(default_factory=_default_deployment)
     cold_start_s: float = COLD_START_S
-    max_model_len: int = 8192
-    block_size: int = 16
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    step_overhead_s: float = 0.0
     routing: str = "least_loaded"
 
     def __post_init__(self) -> None:
@@ -214,24 +171,9 @@ class FleetConfig:
         if self.routing not in ("least_loaded", "round_robin"):
             raise ParameterError("routing", f"routing must be 'least_loaded' or 'round_robin', "
                                             f"got {self.routing!r}")
-        self.cost  # noqa: B018 -- fail now on an unknown model or GPU, not mid-simulation
-        self.num_blocks  # noqa: B018
-
-    @cached_property
-    def cost(self) -> RooflineCost:
-        return RooflineCost(self.model, self.gpu, step_overhead_s=self.step_overhead_s)
-
-    @cached_property
-    def num_blocks(self) -> int:
-        return plan_kv_cache(self.model, self.gpu, block_size=self.block_size,
-                             max_model_len=self.max_model_len,
-                             max_num_batched_tokens=self.max_num_batched_tokens,
-                             max_num_seqs=self.max_num_seqs).num_gpu_blocks
-
-    @cached_property
-    def scheduler_config(self) -> SchedulerConfig:
-        tokens, seqs = vllm_batch_defaults(self.gpu)
-        return SchedulerConfig(self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens)
+        problem = self.deployment.problem()  # fail now, not mid-simulation
+        if problem is not None:
+            raise ParameterError("deployment", f"{self.deployment.label} cannot run: {problem}")
 
 
 class _Replica:
@@ -243,10 +185,8 @@ class _Replica:
         self.ready = False
         self.draining = False
         self.stopped_s: float | None = None
-        self.scheduler = Scheduler(KVCacheManager(fleet.num_blocks, fleet.block_size,
-                                                  enable_prefix_caching=False),
-                                   fleet.scheduler_config)
-        self.stepper = FastSimulator(self.scheduler, fleet.cost)
+        self.scheduler = fleet.deployment.new_scheduler()
+        self.stepper = FastSimulator(self.scheduler, fleet.deployment.step_cost)
         self.steps = 0
         self.clock = ready_s     # when the engine is next free to start a step
         self.busy_s = 0.0        # time spent in steps
@@ -345,7 +285,7 @@ class AutoscaleResult:
     timeline."""
 
     policy: str
-    trace: Trace
+    trace: Workload
     end_s: float
     routed_s: np.ndarray
     served_by: np.ndarray
@@ -401,7 +341,7 @@ class AutoscaleResult:
 class _Run:
     """The state of one simulation: replicas, the gateway's queue, the records."""
 
-    trace: Trace
+    trace: Workload
     policy: Policy
     fleet: FleetConfig
     replicas: list[_Replica] = field(default_factory=list)
@@ -489,7 +429,7 @@ class _Run:
         self.timeline.append((now, desired, ready, len(live) - ready, draining, len(self.queue)))
 
 
-def simulate_autoscaling(trace: Trace, policy: Policy, fleet: FleetConfig | None = None, *,
+def simulate_autoscaling(trace: Workload, policy: Policy, fleet: FleetConfig | None = None, *,
                          initial_replicas: int = 1, overrun_s: float = 3600.0) -> AutoscaleResult:
     """Run ``trace`` through a fleet that ``policy`` scales (chapter 5).
 
@@ -501,11 +441,9 @@ def simulate_autoscaling(trace: Trace, policy: Policy, fleet: FleetConfig | None
     fleet = fleet or FleetConfig()
     positive_int("initial_replicas", initial_replicas, at_least=0)
     in_range("overrun_s", overrun_s, 0)
-    if len(trace):
-        longest = int(np.max(trace.prompt_lens + trace.output_lens))
-        if longest > fleet.max_model_len:
-            raise ParameterError("trace", f"a request of {longest} tokens exceeds "
-                                          f"max_model_len={fleet.max_model_len}")
+    if trace.longest > fleet.deployment.max_model_len:
+        raise ParameterError("trace", f"a request of {trace.longest} tokens exceeds "
+                                      f"max_model_len={fleet.deployment.max_model_len}")
     run = _Run(trace, policy, fleet)
     for _ in range(initial_replicas):
         run.add_replica(0.0, 0.0)
@@ -543,7 +481,7 @@ def simulate_autoscaling(trace: Trace, policy: Policy, fleet: FleetConfig | None
                            run.first_token_s, run.finish_s, replicas, timeline)
 
 
-def compare_policies(trace: Trace, policies: Sequence[Policy], fleet: FleetConfig | None = None,
+def compare_policies(trace: Workload, policies: Sequence[Policy], fleet: FleetConfig | None = None,
                      *, initial_replicas: int = 1) -> list[AutoscaleResult]:
     """Each policy (a fresh instance: policies keep state) on the same trace and fleet, for a
     side-by-side comparison (chapter 5)."""

@@ -8,38 +8,30 @@
   (:ref:`ch06-input-output`);
 - :mod:`~labkit.cost.compare`: deployments over GPU x precision x TP, fleets fixed or
   autoscaled (chapter 5; :ref:`ch06-month-of-traffic`, :ref:`ch06-comparing`);
-- :mod:`~labkit.cost.sharing`: several models on one GPU (vLLM's memory semantics, MIG,
-  time-slicing and MPS, sleep mode, LoRA; :doc:`/chapters/ch06_gpu_sharing`);
 - :mod:`~labkit.cost.tco`: cloud, an API or your own servers, and the guarded breakeven
   (:ref:`ch07-three-ways`);
-  :mod:`~labkit.cost.sensitivity` (plots and a widget) is imported on its own;
-- :mod:`~labkit.cost.tutorial_ch6`: the tutorial's chapter 6 formulas, kept to be judged
-  (:ref:`ch06-tutorial-wrong`).
+  :mod:`~labkit.cost.sensitivity` (plots and a widget) is imported on its own.
+
+The tutorial's own cost code, kept to be judged, is :mod:`labkit.tutorial.ch06_cost` and
+:mod:`labkit.tutorial.ch07_tco`.
 """
 
-from labkit.cost.capacity import (Deployment, LatencySLO, SLOCapacity, Workload,
-                                  max_rate_at_slo, saturation_request_rate)
+from labkit.cost.capacity import LatencySLO, SLOCapacity, max_rate_at_slo, saturation_request_rate
 from labkit.cost.compare import (AutoscaledCost, DeploymentOption, FleetCost, TrafficProfile,
                                  autoscaled_fleet_cost, compare_deployments, comparison_table,
                                  fixed_fleet_cost, monthly_cost_usd, replicas_needed)
-from labkit.cost.prices import (HOURS_PER_MONTH, APIPrice, GPUPrice, PriceRange, api_price,
-                                gpu_hourly_price, gpu_price_range, gpu_prices,
+from labkit.cost.prices import (HOURS_PER_MONTH, APIPrice, GPUPrice, PriceRange, TokenMix,
+                                api_price, gpu_hourly_price, gpu_price_range, gpu_prices,
                                 price_range_table)
-from labkit.cost.sharing import (SharingPlan, check_fractions, mig_profiles, pack_mig,
-                                 plan_sharing, sharing_mechanisms, smallest_mig_profile,
-                                 switch_cost)
-from labkit.cost.tco import (Breakeven, Payback, Scenario, TokenMix,
-                             tutorial_compare_cloud_vs_selfhost)
+from labkit.cost.tco import Breakeven, Payback, Scenario
 from labkit.cost.tokens import Throughput, TokenCost, throughput_from_benchmark, token_cost
 
 __all__ = [
-    "HOURS_PER_MONTH", "APIPrice", "AutoscaledCost", "Breakeven", "Deployment",
-    "DeploymentOption", "FleetCost", "GPUPrice", "LatencySLO", "Payback", "PriceRange",
-    "SLOCapacity", "Scenario", "SharingPlan", "Throughput", "TokenCost", "TokenMix",
-    "TrafficProfile", "Workload", "api_price", "autoscaled_fleet_cost", "check_fractions",
-    "compare_deployments", "comparison_table", "fixed_fleet_cost", "gpu_hourly_price",
-    "gpu_price_range", "gpu_prices", "max_rate_at_slo", "mig_profiles", "monthly_cost_usd",
-    "pack_mig", "plan_sharing", "price_range_table", "replicas_needed",
-    "saturation_request_rate", "sharing_mechanisms", "smallest_mig_profile", "switch_cost",
-    "throughput_from_benchmark", "token_cost", "tutorial_compare_cloud_vs_selfhost",
+    "HOURS_PER_MONTH", "APIPrice", "AutoscaledCost", "Breakeven", "DeploymentOption",
+    "FleetCost", "GPUPrice", "LatencySLO", "Payback", "PriceRange", "SLOCapacity", "Scenario",
+    "Throughput", "TokenCost", "TokenMix", "TrafficProfile", "api_price",
+    "autoscaled_fleet_cost", "compare_deployments", "comparison_table", "fixed_fleet_cost",
+    "gpu_hourly_price", "gpu_price_range", "gpu_prices", "max_rate_at_slo", "monthly_cost_usd",
+    "price_range_table", "replicas_needed", "saturation_request_rate",
+    "throughput_from_benchmark", "token_cost",
 ]

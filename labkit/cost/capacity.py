@@ -1,254 +1,31 @@
 """How much traffic one replica serves within a latency SLO, from chapter 3's simulator
 (:ref:`ch06-throughput-slo`).
 
-A deployment is a model on ``tensor_parallel_size`` GPUs at a weight precision, with vLLM's
-KV cache (chapter 1's :func:`~labkit.hardware.plan_kv_cache`) and scheduler defaults. Its
-throughput is not one number: pushed harder, it serves more tokens per second but each
-request waits longer. What a deployment can sell is the highest request rate at which the
-99th percentile of time to first token (TTFT) and of time per output token (TPOT) still meet
-their targets. :func:`max_rate_at_slo` finds it by bisection on the request rate, each probe a
-simulation of the same workload (same lengths and seed: only the arrival times are scaled),
-between a rate where the SLO holds and the saturation rate (everything sent at once).
-
-Steps are timed by the roofline (chapter 1), plus, with tensor parallelism, two ring
-all-reduces per layer over the GPU's link (:ref:`ch03-tensor-parallelism`), not overlapped with
-compute. The roofline is an upper bound on speed: real engines reach 50-80 % of it, and add a fixed
-overhead per step (``step_overhead_s``) that a measurement should supply.
+A deployment (:class:`~labkit.simulate.deployment.Deployment`) is a model on
+``tensor_parallel_size`` GPUs at a weight precision, with vLLM's KV cache and scheduler
+defaults, its steps timed by the roofline. Its throughput is not one number: pushed harder,
+it serves more tokens per second but each request waits longer. What a deployment can sell
+is the highest request rate at which the 99th percentile of time to first token (TTFT) and
+of time per output token (TPOT) still meet their targets. :func:`max_rate_at_slo` finds it by
+bisection on the request rate, each probe a simulation of the same workload
+(:class:`~labkit.simulate.Workload`: same lengths and seed, only the arrival times drawn at
+the probe's rate, :meth:`~labkit.simulate.Workload.at_rate`), between a rate where the SLO
+holds and the saturation rate (everything sent at once).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
-from labkit.checks import ParameterError, in_range, positive_int
-from labkit.hardware import (KVCachePlan, get_gpu, get_model, plan_kv_cache,
-                             vllm_batch_defaults, weight_format)
-from labkit.hardware.dtypes import default_kv_dtype
-from labkit.hardware.memory import check_tensor_parallel
-from labkit.kvcache import KVCacheManager
-from labkit.parallel import (ALLREDUCES_PER_LAYER, allreduce_bytes, link_gb_s_per_direction,
-                             ring_all_reduce_s)
-from labkit.scheduling import Request, Scheduler, SchedulerConfig
-from labkit.simulate import (BenchmarkResult, RooflineCost, SimulationResult, random_workload,
-                             sample_lengths, simulate)
+from labkit.checks import ParameterError, in_range
+from labkit.hardware import max_concurrency
 from labkit.cost.tokens import Throughput, busy_time_s, prefill_only_time_s, prefill_share
-from labkit.units import cdiv
-
-
-@dataclass(frozen=True)
-class TensorParallelRooflineCost(RooflineCost):
-    """The roofline step time plus tensor parallelism's all-reduces (:ref:`ch03-tensor-parallelism`,
-    :ref:`ch06-throughput-slo`).
-
-    Each decoder layer all-reduces the step's hidden states twice (after attention and after
-    the MLP), a ring over the GPU's link (:func:`labkit.parallel.ring_all_reduce_s`), one
-    ``hidden_size`` BF16 row per token of the step. ``allreduce_latency_s`` is the fixed cost
-    of each ring step; 0 unless you measured yours. With one GPU it is the plain roofline.
-    """
-
-    allreduce_latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        in_range("allreduce_latency_s", self.allreduce_latency_s, 0)
-
-    def __call__(self, rows) -> float:
-        return super().__call__(rows) + self.comm_s(sum(n for n, _ in rows))
-
-    def time_of_totals(self, num_tokens: int, num_pairs: int, num_kv_tokens: int) -> float:
-        """The same time from the step's sums, for the fast simulator (see
-        :class:`~labkit.simulate.RooflineCost`)."""
-        return (super().time_of_totals(num_tokens, num_pairs, num_kv_tokens)
-                + self.comm_s(num_tokens))
-
-    def comm_s(self, num_tokens: int) -> float:
-        """Seconds of all-reduce in a step of ``num_tokens`` tokens."""
-        per_token_s, fixed_s = self._comm_terms
-        return per_token_s * num_tokens + fixed_s if num_tokens else 0.0
-
-    @cached_property
-    def _comm_terms(self) -> tuple[float, float]:
-        """``(seconds per token, fixed seconds)`` of a step's all-reduces: the ring's time
-        is linear in the bytes, so two calls give both terms once (the simulator asks for
-        every step)."""
-        tp = self.tensor_parallel_size
-        if tp == 1:
-            return 0.0, 0.0
-        model = get_model(self.model)
-        link = link_gb_s_per_direction(self.gpu)
-        per_step = model.num_layers * ALLREDUCES_PER_LAYER
-        return (per_step * ring_all_reduce_s(allreduce_bytes(model, 1), tp, link),
-                per_step * ring_all_reduce_s(0, tp, link, self.allreduce_latency_s))
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """One replica: ``model`` on ``tensor_parallel_size`` x ``gpu`` (:ref:`ch06-throughput-slo`).
-
-    ``max_num_seqs`` and ``max_num_batched_tokens`` default to vLLM's for the GPU
-    (:func:`~labkit.hardware.vllm_batch_defaults`), ``kv_dtype`` to vLLM's ``auto``, the KV
-    cache to what vLLM allocates at ``max_model_len`` and ``gpu_memory_utilization``.
-    """
-
-    model: str
-    gpu: str
-    tensor_parallel_size: int = 1
-    weight_dtype: str = "bf16"
-    kv_dtype: str | None = None
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    step_overhead_s: float = 0.0
-    allreduce_latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", get_model(self.model).name)
-        object.__setattr__(self, "gpu", get_gpu(self.gpu).name)
-        object.__setattr__(self, "weight_dtype", weight_format(self.weight_dtype).name)
-        object.__setattr__(self, "kv_dtype", self.kv_dtype or default_kv_dtype(self.weight_dtype))
-        positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        positive_int("max_model_len", self.max_model_len)
-        positive_int("block_size", self.block_size)
-        in_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
-        in_range("step_overhead_s", self.step_overhead_s, 0)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-
-    @property
-    def num_gpus(self) -> int:
-        return self.tensor_parallel_size
-
-    @property
-    def label(self) -> str:
-        return (f"{self.model} {self.weight_dtype} on {self.tensor_parallel_size} x "
-                f"{self.gpu}")
-
-    def problem(self) -> str | None:
-        """Why this deployment cannot run, or None: a TP size that does not divide the heads
-        (:ref:`ch06-comparing`), weights or KV cache that do not fit (:ref:`ch01-what-fits`), a
-        precision the GPU has no tensor cores for."""
-        try:
-            check_tensor_parallel(get_model(self.model), self.tensor_parallel_size)
-            self.step_cost(((1, 0),))  # a GPU without FP8 tensor cores raises here
-            self.kv_plan  # noqa: B018 -- raises DoesNotFitError
-        except ValueError as err:
-            return str(err)
-        return None
-
-    @cached_property
-    def kv_plan(self) -> KVCachePlan:
-        """What vLLM would allocate; raises ``DoesNotFitError`` where it would not start."""
-        return plan_kv_cache(self.model, self.gpu, self.tensor_parallel_size,
-                             self.gpu_memory_utilization, self.block_size, self.max_model_len,
-                             self.weight_dtype, self.kv_dtype, self.max_num_batched_tokens,
-                             self.max_num_seqs)
-
-    @cached_property
-    def step_cost(self) -> TensorParallelRooflineCost:
-        return TensorParallelRooflineCost(self.model, self.gpu, self.tensor_parallel_size,
-                                          self.weight_dtype, self.kv_dtype,
-                                          self.step_overhead_s, self.allreduce_latency_s)
-
-    @cached_property
-    def scheduler_config(self) -> SchedulerConfig:
-        tokens, seqs = vllm_batch_defaults(self.gpu)
-        return SchedulerConfig(self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens)
-
-    def new_scheduler(self) -> Scheduler:
-        """A fresh engine: vLLM's scheduler on the planned KV cache (no prefix caching: the
-        cost workloads share no prefixes).
-
-        Blocks beyond what ``max_num_seqs`` sequences of ``max_model_len`` tokens can hold are
-        never used, so they are left out: the result is the same and a large cache (70B on
-        eight GPUs has millions of blocks) is built in a fraction of the time.
-        """
-        return Scheduler(KVCacheManager(self.usable_blocks, self.block_size,
-                                        enable_prefix_caching=False), self.scheduler_config)
-
-    @property
-    def usable_blocks(self) -> int:
-        """KV blocks the engine can ever use: the plan's, at most what ``max_num_seqs``
-        sequences of ``max_model_len`` tokens fill."""
-        most = self.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
-        return min(self.kv_plan.num_gpu_blocks, most)
-
-    def simulate(self, requests: list[Request]) -> SimulationResult:
-        return simulate(self.new_scheduler(), requests, self.step_cost)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The requests a throughput is measured on (:ref:`ch06-throughput-slo`): their lengths, how
-    many, how bursty their arrivals (gamma shape, 1 = Poisson) and the seed. Build one with
-    :meth:`fixed` or :meth:`lognormal`."""
-
-    prompt_lens: tuple[int, ...]
-    output_lens: tuple[int, ...]
-    burstiness: float = 1.0
-    seed: int = 0
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.prompt_lens or len(self.prompt_lens) != len(self.output_lens):
-            raise ParameterError("prompt_lens", "prompt_lens and output_lens need one entry "
-                                                "per request, at least one")
-        if min(self.prompt_lens) < 1 or min(self.output_lens) < 1:
-            raise ParameterError("prompt_lens", "every prompt and output needs >= 1 token")
-        in_range("burstiness", self.burstiness, 0, low_open=True)
-
-    @classmethod
-    def fixed(cls, prompt_len: int, output_len: int, num_requests: int = 200, *,
-              burstiness: float = 1.0, seed: int = 0) -> Workload:
-        """Every request ``prompt_len`` tokens in, ``output_len`` out (``vllm bench serve``'s
-        random dataset with ``--random-range-ratio 0``)."""
-        positive_int("num_requests", num_requests)
-        positive_int("prompt_len", prompt_len)
-        positive_int("output_len", output_len)
-        return cls((prompt_len,) * num_requests, (output_len,) * num_requests, burstiness,
-                   seed, f"{num_requests} requests of {prompt_len} in / {output_len} out")
-
-    @classmethod
-    def lognormal(cls, median_prompt_len: int, median_output_len: int,
-                  num_requests: int = 200, *, max_prompt_len: int, max_output_len: int,
-                  sigma: float = 1.0, burstiness: float = 1.0, seed: int = 0) -> Workload:
-        """Long-tailed lengths like chat traffic (:func:`labkit.simulate.sample_lengths`),
-        clipped at the maxima."""
-        positive_int("num_requests", num_requests)
-        prompts = sample_lengths("lognormal", num_requests, seed, mean=median_prompt_len,
-                                 high=max_prompt_len, sigma=sigma)
-        outputs = sample_lengths("lognormal", num_requests, seed + 1, mean=median_output_len,
-                                 high=max_output_len, sigma=sigma)
-        return cls(tuple(int(p) for p in prompts), tuple(int(o) for o in outputs), burstiness,
-                   seed, f"{num_requests} requests, lognormal lengths, median "
-                         f"{median_prompt_len} in / {median_output_len} out")
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompt_lens)
-
-    @property
-    def mean_prompt_len(self) -> float:
-        return float(np.mean(self.prompt_lens))
-
-    @property
-    def mean_output_len(self) -> float:
-        return float(np.mean(self.output_lens))
-
-    @property
-    def longest(self) -> int:
-        return max(p + o for p, o in zip(self.prompt_lens, self.output_lens, strict=True))
-
-    def requests(self, request_rate: float) -> list[Request]:
-        """The requests arriving at ``request_rate`` per second (``inf``: all at t = 0)."""
-        return random_workload(self.num_requests, request_rate, self.prompt_lens,
-                               self.output_lens, self.burstiness, self.seed)
+from labkit.simulate import BenchmarkResult, SimulationResult, Workload
+from labkit.simulate.deployment import Deployment
 
 
 @dataclass(frozen=True)
@@ -354,6 +131,8 @@ def max_rate_at_slo(deployment: Deployment, slo: LatencySLO, workload: Workload,
     problem = deployment.problem()
     if problem is not None:
         raise ParameterError("deployment", f"{deployment.label} cannot run: {problem}")
+    if not len(workload):
+        raise ParameterError("workload", "workload must hold at least one request")
     if workload.longest > deployment.max_model_len:
         raise ParameterError("workload", f"a request of {workload.longest} tokens exceeds "
                                          f"max_model_len={deployment.max_model_len}")
@@ -371,15 +150,14 @@ def saturation_request_rate(deployment: Deployment, workload: Workload) -> float
     it can be sustained at, since the queue would grow without bound, whatever a short run
     shows.
     """
-    blocks_each = cdiv(math.ceil(workload.mean_prompt_len + workload.mean_output_len),
-                       deployment.block_size)
-    concurrency = min(deployment.scheduler_config.max_num_seqs,
-                      max(1, deployment.usable_blocks // blocks_each))
+    # vLLM's maximum-concurrency rule, for a request of the workload's mean length.
+    held = max_concurrency(deployment.usable_blocks, deployment.block_size,
+                           math.ceil(workload.mean_prompt_len + workload.mean_output_len))
+    concurrency = min(deployment.scheduler_config.max_num_seqs, max(1, int(held)))
     n = max(workload.num_requests, 3 * concurrency)
-    repeat = cdiv(n, workload.num_requests)
-    longer = Workload((workload.prompt_lens * repeat)[:n], (workload.output_lens * repeat)[:n],
-                      workload.burstiness, workload.seed)
-    run = deployment.simulate(longer.requests(math.inf))
+    longer = Workload(np.zeros(n), np.resize(workload.prompt_lens, n),
+                      np.resize(workload.output_lens, n), seed=workload.seed)
+    run = deployment.simulate(longer.requests())
     return n / run.duration_s
 
 
@@ -395,7 +173,7 @@ def _search(deployment: Deployment, slo: LatencySLO, workload: Workload,
     probes: list[RateProbe] = []
 
     def probe(rate: float) -> tuple[bool, SimulationResult, BenchmarkResult]:
-        result = deployment.simulate(workload.requests(rate))
+        result = deployment.simulate(workload.at_rate(rate).requests())
         summary = result.summary()
         ok = slo.met_by(summary)
         probes.append(RateProbe(rate, summary.p99_ttft_ms, summary.p99_tpot_ms, ok))

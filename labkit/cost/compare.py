@@ -16,17 +16,18 @@ what a token costs at full use, and what a month of the traffic costs:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 from labkit.autoscale import (COLD_START_S, RUNNING, AutoscaleResult, FleetConfig,
-                              HorizontalPodAutoscaler, Policy, Trace, simulate_autoscaling)
+                              HorizontalPodAutoscaler, Policy, simulate_autoscaling)
 from labkit.checks import ParameterError, in_range, positive_int
-from labkit.cost.capacity import Deployment, LatencySLO, SLOCapacity, Workload, max_rate_at_slo
+from labkit.cost.capacity import LatencySLO, SLOCapacity, max_rate_at_slo
+from labkit.simulate import Workload
 from labkit.cost.prices import HOURS_PER_MONTH, GPUPrice, gpu_hourly_price
 from labkit.cost.tokens import TokenCost, token_cost
+from labkit.simulate.deployment import Deployment
+from labkit.units import ceil_tolerant
 
 
 @dataclass(frozen=True)
@@ -53,31 +54,31 @@ class TrafficProfile:
         return self.mean_request_rate * 3600 * HOURS_PER_MONTH
 
 
-def replicas_needed(peak_request_rate: float, max_request_rate_per_replica: float) -> int:
-    """Replicas to serve ``peak_request_rate`` when each serves at most
-    ``max_request_rate_per_replica`` within the SLO: the ratio rounded up
+def replicas_needed(peak_rate: float, rate_per_replica: float) -> int:
+    """Replicas to serve ``peak_rate`` when each serves at most ``rate_per_replica`` within
+    the SLO, both in the same unit (requests/s here, output tokens/s in chapter 7's
+    :class:`~labkit.cost.tco.Scenario`): the ratio rounded up, at least one
     (:ref:`ch06-month-of-traffic`). A replica is a whole tensor-parallel group; one cannot add a
     single GPU to it."""
-    in_range("peak_request_rate", peak_request_rate, 0)
-    if not max_request_rate_per_replica > 0:
-        raise ParameterError("max_request_rate_per_replica",
-                             f"max_request_rate_per_replica must be > 0 (a replica that meets "
-                             f"the SLO at no load cannot serve any), got "
-                             f"{max_request_rate_per_replica!r}")
-    # Round away the last bits of float division (14.0 / 3.5 must be 4, not 5).
-    return max(1, math.ceil(round(peak_request_rate / max_request_rate_per_replica, 9)))
+    in_range("peak_rate", peak_rate, 0)
+    if not rate_per_replica > 0:
+        raise ParameterError("rate_per_replica",
+                             f"rate_per_replica must be > 0 (a replica that meets the SLO at "
+                             f"no load cannot serve any), got {rate_per_replica!r}")
+    # Round away the last bits of float division (0.3 / 0.1 must be 3, not 4).
+    return max(1, ceil_tolerant(peak_rate / rate_per_replica))
 
 
-def monthly_cost_usd(replicas: int, gpus_per_replica: int, usd_per_gpu_hour: float,
-                     hours: float = HOURS_PER_MONTH) -> float:
+def monthly_cost_usd(replicas: float, gpus_per_replica: int, usd_per_gpu_hour: float) -> float:
     """Dollars a month for ``replicas`` replicas of ``gpus_per_replica`` GPUs
-    (:ref:`ch06-month-of-traffic`). Every hour is paid, busy or idle: there is no
-    utilization factor here."""
-    positive_int("replicas", replicas, at_least=0)
+    (:ref:`ch06-month-of-traffic`): every GPU bills every hour of an average month
+    (:data:`~labkit.cost.prices.HOURS_PER_MONTH`), busy or idle; there is no utilization factor
+    here. ``replicas`` may be a mean over the month: an autoscaled fleet's replica-hours over
+    the hours."""
+    in_range("replicas", replicas, 0)
     positive_int("gpus_per_replica", gpus_per_replica)
     in_range("usd_per_gpu_hour", usd_per_gpu_hour, 0)
-    in_range("hours", hours, 0)
-    return replicas * gpus_per_replica * usd_per_gpu_hour * hours
+    return replicas * gpus_per_replica * usd_per_gpu_hour * HOURS_PER_MONTH
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class FleetCost:
     the month's bill over the month's tokens (input and output together), idle hours included.
     """
 
-    replicas: float
+    replicas: int
     gpus_per_replica: int
     usd_per_gpu_hour: float
     monthly_usd: float
@@ -128,39 +129,37 @@ def compare_deployments(model: str, slo: LatencySLO, workload: Workload,
                         traffic: TrafficProfile, *, gpus: Iterable[str],
                         weight_dtypes: Iterable[str] = ("bf16",),
                         tensor_parallel_sizes: Iterable[int] = (1, 2, 4, 8),
-                        pricing: str = "on_demand", provider: str | None = None,
-                        prices: Sequence[GPUPrice] | None = None, rel_tol: float = 0.05,
+                        prices: Sequence[GPUPrice] | None = None,
                         **deployment_options) -> list[DeploymentOption]:
     """Every GPU x precision x TP size for ``model``, cheapest month first (:ref:`ch06-comparing`).
 
-    Each runnable deployment is priced with :func:`~labkit.cost.prices.gpu_hourly_price`
-    (``provider`` or the median offer, for its number of GPUs, from ``prices`` or the
-    table). ``deployment_options`` go to every :class:`Deployment` (``max_model_len``,
-    ``step_overhead_s``, ...). Rows that cannot serve come last, with the reason.
+    Each runnable deployment is priced with :func:`~labkit.cost.prices.gpu_hourly_price`: the
+    median on-demand offer for its number of GPUs, from ``prices`` (your own quotes, or the
+    table filtered to one provider or pricing model) or the whole table.
+    ``deployment_options`` go to every :class:`~labkit.simulate.deployment.Deployment`
+    (``max_model_len``, ``step_overhead_s``, ...). Rows that cannot serve come last, with the
+    reason.
     """
     options = []
     for gpu in gpus:
         for dtype in weight_dtypes:
             for tp in tensor_parallel_sizes:
                 options.append(_option(Deployment(model, gpu, tp, dtype, **deployment_options),
-                                       slo, workload, traffic, pricing, provider, prices,
-                                       rel_tol))
+                                       slo, workload, traffic, prices))
     return sorted(options, key=lambda o: (o.problem is not None,
                                           o.fleet.monthly_usd if o.fleet else 0.0))
 
 
 def _option(deployment: Deployment, slo: LatencySLO, workload: Workload,
-            traffic: TrafficProfile, pricing: str, provider: str | None,
-            prices: Sequence[GPUPrice] | None, rel_tol: float) -> DeploymentOption:
+            traffic: TrafficProfile, prices: Sequence[GPUPrice] | None) -> DeploymentOption:
     problem = deployment.problem()
     if problem is not None:
         return DeploymentOption(deployment, problem)
     try:
-        price = gpu_hourly_price(deployment.gpu, provider, pricing,
-                                 num_gpus=deployment.num_gpus, table=prices)
+        price = gpu_hourly_price(deployment.gpu, num_gpus=deployment.num_gpus, table=prices)
     except ParameterError as err:
         return DeploymentOption(deployment, str(err))
-    capacity = max_rate_at_slo(deployment, slo, workload, rel_tol)
+    capacity = max_rate_at_slo(deployment, slo, workload)
     if not capacity.feasible:
         return DeploymentOption(deployment, f"misses {slo} at any load", capacity, price)
     return DeploymentOption(deployment, None, capacity, price,
@@ -196,26 +195,6 @@ def _short(problem: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _DeploymentFleet(FleetConfig):
-    """Chapter 5's fleet made of a :class:`Deployment` (any TP size and precision), where
-    ``FleetConfig`` itself builds a one-GPU BF16 replica from a model and GPU name."""
-
-    deployment: Deployment | None = None
-
-    @cached_property
-    def cost(self):
-        return self.deployment.step_cost
-
-    @cached_property
-    def num_blocks(self) -> int:
-        return self.deployment.usable_blocks
-
-    @cached_property
-    def scheduler_config(self):
-        return self.deployment.scheduler_config
-
-
-@dataclass(frozen=True)
 class AutoscaledCost:
     """A trace served by an autoscaled fleet, billed by the replica-hours it held
     (:ref:`ch06-month-of-traffic`; the simulation is chapter 5's). ``mean_replicas`` is the
@@ -243,7 +222,7 @@ def default_policy(capacity: SLOCapacity, max_replicas: int) -> HorizontalPodAut
                                    name=f"HPA running {max(1.0, round(held)):g}")
 
 
-def autoscaled_fleet_cost(capacity: SLOCapacity, trace: Trace, price: GPUPrice | float, *,
+def autoscaled_fleet_cost(capacity: SLOCapacity, trace: Workload, price: GPUPrice | float, *,
                           policy: Policy | None = None, cold_start_s: float = COLD_START_S,
                           initial_replicas: int = 1) -> AutoscaledCost:
     """Serve ``trace`` with replicas of ``capacity.deployment`` that ``policy`` (default:
@@ -261,11 +240,9 @@ def autoscaled_fleet_cost(capacity: SLOCapacity, trace: Trace, price: GPUPrice |
     _, rates = trace.rate(60.0)
     peak_replicas = replicas_needed(float(rates.max(initial=0.0)), capacity.max_request_rate)
     policy = policy or default_policy(capacity, 2 * peak_replicas)
-    fleet = _DeploymentFleet(model=deployment.model, gpu=deployment.gpu,
-                             cold_start_s=cold_start_s, max_model_len=deployment.max_model_len,
-                             block_size=deployment.block_size, deployment=deployment)
-    result = simulate_autoscaling(trace, policy, fleet, initial_replicas=initial_replicas)
+    result = simulate_autoscaling(trace, policy, FleetConfig(deployment, cold_start_s),
+                                  initial_replicas=initial_replicas)
     mean_replicas = result.replica_seconds / result.end_s
     return AutoscaledCost(result, mean_replicas, deployment.num_gpus, usd,
-                          mean_replicas * deployment.num_gpus * usd * HOURS_PER_MONTH,
+                          monthly_cost_usd(mean_replicas, deployment.num_gpus, usd),
                           result.slo_attainment(capacity.slo.p99_ttft_ms))

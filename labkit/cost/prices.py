@@ -8,7 +8,9 @@ page gives only a month):
   name), from one provider, under one pricing model (:data:`PRICING_MODELS`). ``min_gpus``
   is the smallest number of GPUs the offer rents (8 for a whole 8-GPU instance).
 - ``api_prices.csv``: dollars per million input, cached input and output tokens of a hosted
-  model (cached input is blank where the provider has no discount for it).
+  model (cached input is blank where the provider has no discount for it). A card bills a
+  :class:`TokenMix`, the token counts of OpenAI's ``usage``, where the cached prompt tokens are
+  part of the prompt tokens.
 
 Prices move weekly and differ by 5x between providers for the same chip, so nothing here is
 a constant: every function takes the table as a parameter (``table=``), a row can be made by
@@ -18,17 +20,15 @@ rather than one number.
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 
 from labkit.checks import ParameterError, in_range, positive_int
+from labkit.data import read_csv
 from labkit.hardware import get_gpu, list_gpus
 
 #: How a GPU-hour is bought. ``on_demand``: no commitment, billed while the instance runs;
@@ -87,9 +87,43 @@ class GPUPrice:
 
 
 @dataclass(frozen=True)
+class TokenMix:
+    """Tokens an API bills, counted as OpenAI's ``usage`` counts them (:ref:`ch06-input-output`,
+    :ref:`ch07-three-ways`): one response's, or a month of traffic's.
+
+    ``input_tokens`` are all the prompt tokens (``usage.prompt_tokens``), *including* the
+    ``cached_input_tokens`` the provider served from its prompt cache
+    (``usage.prompt_tokens_details.cached_tokens``); ``output_tokens`` are the generated ones
+    (``usage.completion_tokens``). A month's mix is the sum of its responses' usage.
+    """
+
+    input_tokens: float
+    output_tokens: float
+    cached_input_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        in_range("input_tokens", self.input_tokens, 0)
+        in_range("output_tokens", self.output_tokens, 0)
+        in_range("cached_input_tokens", self.cached_input_tokens, 0, self.input_tokens)
+
+    @property
+    def total_tokens(self) -> float:
+        """Prompt and generated tokens (the cached ones are among the prompt tokens)."""
+        return self.input_tokens + self.output_tokens
+
+    def scaled_to(self, total_tokens: float) -> TokenMix:
+        """The same mix at another volume (``total_tokens``, input and output together)."""
+        in_range("total_tokens", total_tokens, 0, low_open=True)
+        factor = total_tokens / self.total_tokens
+        return TokenMix(self.input_tokens * factor, self.output_tokens * factor,
+                        self.cached_input_tokens * factor)
+
+
+@dataclass(frozen=True)
 class APIPrice:
-    """A hosted model's price card, dollars per million tokens (:ref:`ch06-input-output` and
-    chapter 7)."""
+    """A hosted model's price card, dollars per million tokens (:ref:`ch06-input-output`,
+    :ref:`ch07-three-ways`). ``usd_per_1m_cached_input`` is None where the provider gives no
+    discount for cached prompt tokens: they then pay the input price."""
 
     provider: str
     model: str
@@ -107,26 +141,23 @@ class APIPrice:
             in_range("usd_per_1m_cached_input", self.usd_per_1m_cached_input, 0)
         _check_source(self.source, self.as_of)
 
-    def cost_usd(self, input_tokens: float, output_tokens: float,
-                 cached_input_tokens: float = 0) -> float:
-        """Dollars for ``input_tokens`` prompt tokens (of which ``cached_input_tokens`` were
-        served from the provider's prompt cache) and ``output_tokens`` generated tokens.
+    def cost_usd(self, tokens: TokenMix) -> float:
+        """Dollars for ``tokens`` (:ref:`ch07-three-ways`): the prompt tokens not served from
+        the cache at the input price, the cached ones at the cached price (the input price if
+        the card has none), the output tokens at the output price.
 
-        Cached tokens are counted inside ``input_tokens``, as OpenAI's ``usage`` reports
-        them (``prompt_tokens`` includes ``cached_tokens``); with no cached price on the card
-        they pay the full input price. Cache writes, which some providers charge extra for,
-        are not modelled.
+        The cached tokens are among the prompt tokens, as OpenAI's ``usage`` reports them;
+        billing them on top of ``input_tokens`` would count them twice. Cache writes, which
+        some providers charge extra for, are not modelled.
         """
-        in_range("input_tokens", input_tokens, 0)
-        in_range("output_tokens", output_tokens, 0)
-        in_range("cached_input_tokens", cached_input_tokens, 0, input_tokens)
         cached_price = (self.usd_per_1m_input if self.usd_per_1m_cached_input is None
                         else self.usd_per_1m_cached_input)
-        return ((input_tokens - cached_input_tokens) * self.usd_per_1m_input
-                + cached_input_tokens * cached_price
-                + output_tokens * self.usd_per_1m_output) / 1e6
+        return ((tokens.input_tokens - tokens.cached_input_tokens) * self.usd_per_1m_input
+                + tokens.cached_input_tokens * cached_price
+                + tokens.output_tokens * self.usd_per_1m_output) / 1e6
 
     def citation(self) -> str:
+        """Where the card comes from, in one line: model, prices, date, page."""
         return (f"{self.provider} {self.model}: ${self.usd_per_1m_input:g} in / "
                 f"${self.usd_per_1m_output:g} out per 1M tokens as of {self.as_of}, "
                 f"{self.source}")
@@ -136,35 +167,25 @@ def _optional_float(cell: str) -> float | None:
     return float(cell) if cell.strip() else None
 
 
-def _read_rows(path: str | Path | None, name: str) -> list[dict[str, str]]:
-    if path is None:
-        text = resources.files("labkit.data").joinpath(name).read_text(encoding="utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    return list(csv.DictReader(text.splitlines()))
-
-
-@lru_cache(maxsize=4)
-def load_gpu_prices(path: str | Path | None = None) -> tuple[GPUPrice, ...]:
-    """The GPU price table, ``labkit/data/gpu_prices.csv`` or a CSV of the same columns
-    (:ref:`ch06-token-cost`)."""
+@lru_cache(maxsize=1)
+def load_gpu_prices() -> tuple[GPUPrice, ...]:
+    """The GPU price table, ``labkit/data/gpu_prices.csv`` (:ref:`ch06-token-cost`)."""
     return tuple(GPUPrice(gpu=r["gpu"], provider=r["provider"], pricing=r["pricing"],
                           usd_per_gpu_hour=float(r["usd_per_gpu_hour"]),
                           min_gpus=int(r["min_gpus"]), product=r["product"],
                           source=r["source"], as_of=r["as_of"], notes=r["notes"])
-                 for r in _read_rows(path, "gpu_prices.csv"))
+                 for r in read_csv("gpu_prices.csv"))
 
 
-@lru_cache(maxsize=4)
-def load_api_prices(path: str | Path | None = None) -> tuple[APIPrice, ...]:
-    """The API price cards, ``labkit/data/api_prices.csv`` or a CSV of the same columns
-    (:ref:`ch06-input-output`)."""
+@lru_cache(maxsize=1)
+def load_api_prices() -> tuple[APIPrice, ...]:
+    """The API price cards, ``labkit/data/api_prices.csv`` (:ref:`ch06-input-output`)."""
     return tuple(APIPrice(provider=r["provider"], model=r["model"],
                           usd_per_1m_input=float(r["usd_per_1m_input"]),
                           usd_per_1m_cached_input=_optional_float(r["usd_per_1m_cached_input"]),
                           usd_per_1m_output=float(r["usd_per_1m_output"]),
                           source=r["source"], as_of=r["as_of"], notes=r["notes"])
-                 for r in _read_rows(path, "api_prices.csv"))
+                 for r in read_csv("api_prices.csv"))
 
 
 def _same(a: str, b: str) -> bool:

@@ -24,9 +24,11 @@ from labkit.checks import ParameterError
 from labkit.cost.tco import Scenario, capex_for, input_range
 from labkit.widgets import calculator
 
+#: Volumes at which the cost curves are drawn, besides both sides of every step.
+_POINTS = 600
 
-def plot_cost_vs_volume(scenario: Scenario, max_tokens_month: float | None = None,
-                        points: int = 600, ax=None):
+
+def plot_cost_vs_volume(scenario: Scenario, max_tokens_month: float | None = None, ax=None):
     """Monthly cost against monthly volume (:ref:`ch07-three-ways`): the API's straight line, the
     self-hosted step function (a server more at each step) and, if the scenario has one,
     the cloud's; dotted lines mark where the cheaper option changes."""
@@ -34,14 +36,15 @@ def plot_cost_vs_volume(scenario: Scenario, max_tokens_month: float | None = Non
     if max_tokens_month is None:
         last = b.stable_tokens_month if not b.never else 0.0
         max_tokens_month = max(3 * scenario.server_capacity_tokens_month, 1.5 * last)
-    volumes = np.linspace(max_tokens_month / points, max_tokens_month, points)
+    volumes = np.linspace(max_tokens_month / _POINTS, max_tokens_month, _POINTS)
     # Both sides of every step edge, so the steps are drawn vertical.
-    edges = scenario.server_capacity_tokens_month * np.arange(1, points)
+    edges = scenario.server_capacity_tokens_month * np.arange(1, _POINTS)
     edges = edges[edges < max_tokens_month]
     volumes = np.unique(np.concatenate([volumes, edges * (1 - 1e-9), edges * (1 + 1e-9)]))
     costs = [scenario.costs(v) for v in volumes]
     ax = ax or plt.subplots(figsize=(8, 4))[1]
-    ax.plot(volumes, [c.api_usd for c in costs], label=f"API {scenario.api.name}".rstrip())
+    api = scenario.api
+    ax.plot(volumes, [c.api_usd for c in costs], label=f"API {api.provider} {api.model}")
     ax.plot(volumes, [c.self_hosted_usd for c in costs], label="self-hosted")
     if scenario.cloud is not None:
         ax.plot(volumes, [c.cloud_usd for c in costs], label="cloud GPUs", linestyle="--")

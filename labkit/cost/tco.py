@@ -4,7 +4,9 @@
 The question of chapter 7 is not "is a GPU cheaper to buy than to rent" but "what does it
 cost to serve *this* traffic" three ways:
 
-- an **API** bills tokens: input, cached input and output, each at its price per 1M tokens;
+- an **API** bills tokens: input, cached input and output, each at its price per 1M tokens
+  (chapter 6's :class:`~labkit.cost.prices.APIPrice` billing a
+  :class:`~labkit.cost.prices.TokenMix`, OpenAI's ``usage`` convention);
 - **cloud GPUs** bill GPU-hours for as long as the instances run, busy or idle;
 - **self-hosting** buys servers (capex, depreciated over their useful life) and pays every
   month for power (GPU TDP x server overhead x PUE x $/kWh x hours), colocation (per kW of
@@ -20,26 +22,28 @@ function and says "never", with the reason, instead of dividing by a zero or neg
 Every price and rate is a parameter. ``labkit/data/gpu_capex.csv`` and
 ``labkit/data/tco_inputs.csv`` hold sourced, dated values to start from
 (:func:`capex_rows`, :func:`input_rows`, :func:`input_range`); nothing here has a price
-built in, except :func:`tutorial_compare_cloud_vs_selfhost`, which reproduces the tutorial's
-hard-coded numbers so that the chapter can show what they get wrong.
+built in. The tutorial's hard-coded comparison is :mod:`labkit.tutorial.ch07_tco`.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 
 from labkit.checks import ParameterError, in_range, positive_int
-from labkit.cost.prices import HOURS_PER_MONTH, APIPrice, GPUPrice  # 730 h a month
+from labkit.cost.compare import monthly_cost_usd, replicas_needed
+from labkit.cost.prices import HOURS_PER_MONTH, APIPrice, GPUPrice, TokenMix  # 730 h a month
 from labkit.cost.tokens import Throughput
+from labkit.data import read_csv
 from labkit.hardware import get_gpu
+from labkit.units import cdiv
 
 SECONDS_PER_MONTH = HOURS_PER_MONTH * 3600
+
+#: :meth:`Scenario.breakeven` lists the first crossings only (it counts them all).
+_MAX_CROSSINGS_LISTED = 10
 
 
 # --- the sourced tables --------------------------------------------------------------------
@@ -63,14 +67,6 @@ class CapexRow:
     as_of: str
     notes: str
 
-    @property
-    def per_gpu_low_usd(self) -> float:
-        return self.price_low_usd / self.gpus
-
-    @property
-    def per_gpu_high_usd(self) -> float:
-        return self.price_high_usd / self.gpus
-
     def provenance(self) -> str:
         return f"{self.item}: {self.basis} ({self.source}, {self.as_of})"
 
@@ -91,11 +87,6 @@ class InputRow:
         return f"{self.what} ({self.source}, {self.as_of})"
 
 
-def _read_csv(name: str) -> list[dict[str, str]]:
-    text = resources.files("labkit.data").joinpath(name).read_text(encoding="utf-8")
-    return list(csv.DictReader(text.splitlines()))
-
-
 @lru_cache(maxsize=1)
 def capex_rows() -> tuple[CapexRow, ...]:
     """Every row of ``labkit/data/gpu_capex.csv`` (:ref:`ch07-owning`), in table order."""
@@ -103,7 +94,7 @@ def capex_rows() -> tuple[CapexRow, ...]:
                           condition=r["condition"], price_low_usd=float(r["price_low_usd"]),
                           price_high_usd=float(r["price_high_usd"]), basis=r["basis"],
                           source=r["source"], as_of=r["as_of"], notes=r["notes"])
-                 for r in _read_csv("gpu_capex.csv"))
+                 for r in read_csv("gpu_capex.csv"))
 
 
 @lru_cache(maxsize=1)
@@ -112,7 +103,7 @@ def input_rows() -> tuple[InputRow, ...]:
     return tuple(InputRow(input=r["input"], value=float(r["value"]), unit=r["unit"],
                           what=r["what"], source=r["source"], as_of=r["as_of"],
                           notes=r["notes"])
-                 for r in _read_csv("tco_inputs.csv"))
+                 for r in read_csv("tco_inputs.csv"))
 
 
 def input_range(name: str) -> tuple[InputRow, InputRow]:
@@ -146,120 +137,6 @@ def capex_for(gpu: str, gpus: int | None = None, condition: str = "new") -> list
         raise ParameterError("gpu", f"no {condition} purchase price for {name!r}"
                                     + (f" in items of {gpus} GPUs" if gpus else ""))
     return rows
-
-
-# --- traffic, prices, throughput -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenMix:
-    """A month of traffic as three disjoint token counts (:ref:`ch07-three-ways`).
-
-    ``input_tokens`` are prompt tokens billed at the full input price, ``cached_input_tokens``
-    the prompt tokens a provider serves from its prompt cache (billed at the cached price),
-    ``output_tokens`` the generated ones. Self-hosted capacity is measured in output tokens
-    per second on a workload with this mix, so ``output_tokens`` must be positive.
-    """
-
-    input_tokens: float
-    cached_input_tokens: float
-    output_tokens: float
-
-    def __post_init__(self) -> None:
-        in_range("input_tokens", self.input_tokens, 0)
-        in_range("cached_input_tokens", self.cached_input_tokens, 0)
-        in_range("output_tokens", self.output_tokens, 0, low_open=True)
-
-    @property
-    def total_tokens(self) -> float:
-        return self.input_tokens + self.cached_input_tokens + self.output_tokens
-
-    def scaled_to(self, total_tokens: float) -> TokenMix:
-        """The same mix at another monthly volume (tokens of all three kinds together)."""
-        in_range("total_tokens", total_tokens, 0, low_open=True)
-        factor = total_tokens / self.total_tokens
-        return TokenMix(self.input_tokens * factor, self.cached_input_tokens * factor,
-                        self.output_tokens * factor)
-
-
-@dataclass(frozen=True)
-class ApiPrices:
-    """An API's price card in US dollars per 1M tokens (:ref:`ch07-three-ways`), with where it
-    came from."""
-
-    input_usd_1m: float
-    cached_input_usd_1m: float
-    output_usd_1m: float
-    name: str = ""
-    provenance: str = ""
-
-    def __post_init__(self) -> None:
-        in_range("input_usd_1m", self.input_usd_1m, 0)
-        in_range("cached_input_usd_1m", self.cached_input_usd_1m, 0)
-        in_range("output_usd_1m", self.output_usd_1m, 0)
-
-    def monthly_usd(self, mix: TokenMix) -> float:
-        """The month's bill: each kind of token at its own price."""
-        return (mix.input_tokens * self.input_usd_1m
-                + mix.cached_input_tokens * self.cached_input_usd_1m
-                + mix.output_tokens * self.output_usd_1m) / 1e6
-
-    def usd_per_token(self, mix: TokenMix) -> float:
-        """The blended price of one token of this mix: the slope of the API's cost line."""
-        return self.monthly_usd(mix) / mix.total_tokens
-
-
-def api_prices_from(card: object) -> ApiPrices:
-    """An :class:`ApiPrices` from chapter 6's price card (:class:`labkit.cost.prices.APIPrice`),
-    keeping its name and source; a card without a cached-input price charges cached input
-    tokens the full input price, as the provider would."""
-    if isinstance(card, ApiPrices):
-        return card
-    if not isinstance(card, APIPrice):
-        raise ParameterError("card", f"card must be an APIPrice or ApiPrices, got {card!r}")
-    cached = card.usd_per_1m_cached_input
-    return ApiPrices(card.usd_per_1m_input,
-                     card.usd_per_1m_input if cached is None else cached,
-                     card.usd_per_1m_output, name=f"{card.provider} {card.model}",
-                     provenance=f"{card.source}, {card.as_of}")
-
-
-@dataclass(frozen=True)
-class ReplicaCapacity:
-    """What one replica sustains, in output tokens per second on this traffic's mix within
-    the latency targets, on ``gpus`` GPUs (its tensor-parallel size), and where that number
-    came from: a simulation or a benchmark in the same run, never a typed table.
-    :ref:`ch07-three-ways` sizes the fleet with it."""
-
-    output_tok_s: float
-    gpus: int
-    provenance: str
-
-    def __post_init__(self) -> None:
-        in_range("output_tok_s", self.output_tok_s, 0, low_open=True)
-        positive_int("gpus", self.gpus)
-        if not self.provenance.strip():
-            raise ParameterError("provenance", "provenance must say which simulation or "
-                                               "benchmark produced the throughput")
-
-
-def replica_capacity(throughput: object, provenance: str | None = None, *,
-                     gpus: int = 1) -> ReplicaCapacity:
-    """A :class:`ReplicaCapacity` from chapter 6's :class:`labkit.cost.tokens.Throughput` (a
-    simulated or measured replica), or from a number of output tokens/s per replica of
-    ``gpus`` GPUs together with its ``provenance``."""
-    if isinstance(throughput, ReplicaCapacity):
-        return throughput
-    if isinstance(throughput, Throughput):
-        return ReplicaCapacity(throughput.output_tok_s, throughput.num_gpus,
-                               provenance or throughput.provenance)
-    if isinstance(throughput, numbers.Real) and not isinstance(throughput, bool):
-        if provenance is None:
-            raise ParameterError("provenance", "a bare number needs a provenance: say which "
-                                               "simulation or benchmark produced it")
-        return ReplicaCapacity(float(throughput), gpus, provenance)
-    raise ParameterError("throughput", f"throughput must be a Throughput, a ReplicaCapacity "
-                                       f"or a number of output tokens/s, got {throughput!r}")
 
 
 # --- self-hosted and cloud costs ------------------------------------------------------------
@@ -393,17 +270,15 @@ class Cloud:
         return cls(price.usd_per_gpu_hour, price.min_gpus, billed_fraction, price.citation())
 
     def instances_for(self, gpus: int) -> int:
-        return math.ceil(positive_int("gpus", gpus, at_least=0) / self.gpus_per_instance)
+        """Whole instances that hold ``gpus`` GPUs."""
+        return cdiv(positive_int("gpus", gpus, at_least=0), self.gpus_per_instance)
 
     def monthly_usd(self, gpus: int) -> float:
-        """The month's bill for enough instances to hold ``gpus`` GPUs."""
-        billed_gpus = self.instances_for(gpus) * self.gpus_per_instance
-        return self.usd_gpu_hour * billed_gpus * HOURS_PER_MONTH * self.billed_fraction
-
-
-def _ceil(x: float) -> int:
-    """``ceil`` that does not turn 3.0000000000000004 (float noise) into 4."""
-    return math.ceil(round(x, 9))
+        """The month's bill for enough instances to hold ``gpus`` GPUs, up
+        ``billed_fraction`` of its hours (chapter 6's
+        :func:`~labkit.cost.compare.monthly_cost_usd`)."""
+        return (monthly_cost_usd(self.instances_for(gpus), self.gpus_per_instance,
+                                 self.usd_gpu_hour) * self.billed_fraction)
 
 
 # --- the scenario: one traffic, three ways to serve it -------------------------------------
@@ -508,16 +383,17 @@ class Payback:
 class Scenario:
     """One traffic, three ways to serve it (:ref:`ch07-three-ways`).
 
-    ``capacity`` sizes the fleet in replicas of ``capacity.gpus`` GPUs each; a replica stays
-    inside one server. ``peak_to_average`` (>= 1) is how much more than the monthly average
-    the fleet must serve at peak: a self-hosted fleet is bought for the peak. ``min_servers``
-    is the smallest deployment you would run. ``cloud`` (optional) rents the same GPUs,
-    sized the same way.
+    ``capacity`` (chapter 6's :class:`~labkit.cost.tokens.Throughput`, simulated or measured
+    on requests of the traffic's mix) sizes the fleet by its output tokens per second, in
+    replicas of ``capacity.num_gpus`` GPUs each; a replica stays inside one server.
+    ``peak_to_average`` (>= 1) is how much more than the monthly average the fleet must serve
+    at peak: a self-hosted fleet is bought for the peak. ``min_servers`` is the smallest
+    deployment you would run. ``cloud`` (optional) rents the same GPUs, sized the same way.
     """
 
     traffic: TokenMix
-    api: ApiPrices
-    capacity: ReplicaCapacity
+    api: APIPrice
+    capacity: Throughput
     hardware: SelfHosted
     cloud: Cloud | None = None
     peak_to_average: float = 1.0
@@ -526,14 +402,18 @@ class Scenario:
     def __post_init__(self) -> None:
         in_range("peak_to_average", self.peak_to_average, 1)
         positive_int("min_servers", self.min_servers)
-        if self.capacity.gpus > self.hardware.gpus_per_server:
-            raise ParameterError("capacity", f"capacity.gpus must be <= hardware.gpus_per_server "
+        if not self.traffic.output_tokens > 0:
+            raise ParameterError("traffic", "traffic.output_tokens must be > 0: the fleet is "
+                                            "sized in output tokens per second")
+        if self.capacity.num_gpus > self.hardware.gpus_per_server:
+            raise ParameterError("capacity", f"capacity.num_gpus must be <= "
+                                             f"hardware.gpus_per_server "
                                              f"({self.hardware.gpus_per_server}): a replica "
                                              f"stays inside one server, got "
-                                             f"{self.capacity.gpus}")
+                                             f"{self.capacity.num_gpus}")
 
     def with_value(self, path: str, value: object) -> Scenario:
-        """A copy with one input changed: ``"hardware.pue"``, ``"api.output_usd_1m"``,
+        """A copy with one input changed: ``"hardware.pue"``, ``"api.usd_per_1m_output"``,
         ``"peak_to_average"``... (chapter 7's sensitivity analysis uses this)."""
         head, _, rest = path.partition(".")
         if not any(f.name == head for f in dataclasses.fields(self)):
@@ -561,21 +441,24 @@ class Scenario:
         return self.traffic if total_tokens is None else self.traffic.scaled_to(total_tokens)
 
     def replicas_needed(self, total_tokens: float | None = None) -> int:
-        """Replicas that serve the traffic at its peak: ceil(peak output tok/s / replica's)."""
+        """Replicas that serve the traffic at its peak: peak output tok/s over a replica's,
+        rounded up (chapter 6's :func:`~labkit.cost.compare.replicas_needed`)."""
         mix = self._mix(total_tokens)
         peak_tok_s = mix.output_tokens / SECONDS_PER_MONTH * self.peak_to_average
-        return max(1, _ceil(peak_tok_s / self.capacity.output_tok_s))
+        return replicas_needed(peak_tok_s, self.capacity.output_tok_s)
 
     def gpus_needed(self, total_tokens: float | None = None) -> int:
-        return self.replicas_needed(total_tokens) * self.capacity.gpus
+        """GPUs of the replicas that serve the traffic at its peak."""
+        return self.replicas_needed(total_tokens) * self.capacity.num_gpus
 
     @property
     def replicas_per_server(self) -> int:
-        return self.hardware.gpus_per_server // self.capacity.gpus
+        return self.hardware.gpus_per_server // self.capacity.num_gpus
 
     def servers_needed(self, total_tokens: float | None = None) -> int:
+        """Whole servers that hold the replicas, at least ``min_servers``."""
         return max(self.min_servers,
-                   _ceil(self.replicas_needed(total_tokens) / self.replicas_per_server))
+                   cdiv(self.replicas_needed(total_tokens), self.replicas_per_server))
 
     @property
     def server_capacity_tokens_month(self) -> float:
@@ -593,11 +476,11 @@ class Scenario:
         gpus = self.gpus_needed(total_tokens)
         servers = self.servers_needed(total_tokens)
         return MonthlyCosts(traffic=mix, gpus_needed=gpus, servers=servers,
-                            api_usd=self.api.monthly_usd(mix),
+                            api_usd=self.api.cost_usd(mix),
                             self_hosted=self.hardware.month(servers),
                             cloud_usd=None if self.cloud is None else self.cloud.monthly_usd(gpus))
 
-    def breakeven(self, max_listed: int = 10) -> Breakeven:
+    def breakeven(self) -> Breakeven:
         """The monthly volume where self-hosting becomes cheaper than the API
         (:ref:`ch07-three-ways`).
 
@@ -609,8 +492,7 @@ class Scenario:
         before the fixed cost. With ``m <= 0`` that never happens, however large the volume:
         the answer is "never", not a division by zero.
         """
-        positive_int("max_listed", max_listed)
-        a = self.api.usd_per_token(self.traffic)
+        a = self.api.cost_usd(self.traffic) / self.traffic.total_tokens  # the API's slope
         q = self.server_capacity_tokens_month
         fixed, per_server = self.hardware.fixed_usd_month, self.hardware.per_server_usd_month
         margin = a * q - per_server
@@ -641,7 +523,7 @@ class Scenario:
         relapses = last_relapse - first_k + 1
         crossings = [Crossing(first_v, "self-hosted", first_k)]
         k = first_k
-        while k <= last_relapse and len(crossings) < max_listed:
+        while k <= last_relapse and len(crossings) < _MAX_CROSSINGS_LISTED:
             crossings.append(Crossing(k * q, "api", k + 1))
             crossings.append(Crossing(cost(k + 1) / a, "self-hosted", k + 1))
             k += 1
@@ -650,7 +532,7 @@ class Scenario:
                   f"${fixed:,.0f} a month is covered from {first_k} server(s) on")
         return Breakeven(never=False, reason=reason, first_tokens_month=first_v,
                          stable_tokens_month=stable_v, servers_at_first=first_k,
-                         crossings=tuple(crossings[:max_listed]),
+                         crossings=tuple(crossings[:_MAX_CROSSINGS_LISTED]),
                          num_crossings=1 + 2 * relapses, **common)
 
     def payback(self, against: str = "api") -> Payback:
@@ -678,59 +560,3 @@ class Scenario:
         return Payback(False, f"${saving:,.0f} saved a month", month.capex_usd, saving,
                        months, months <= life)
 
-
-# --- the tutorial's version, kept to show what it gets wrong --------------------------------
-
-
-@dataclass(frozen=True)
-class TutorialEstimate:
-    """What the tutorial's ``compare_cloud_vs_selfhost`` computes (chapter 7, "What the
-    tutorial gets wrong"), as numbers instead of prints."""
-
-    num_gpus: int
-    gpu_type: str
-    months: int
-    hourly_usd: float
-    gpu_price_usd: float
-    price_is_fallback: bool
-    cloud_monthly_usd: float
-    cloud_total_usd: float
-    hardware_usd: float
-    monthly_ops_usd: float
-    selfhost_total_usd: float
-    breakeven_months: float | None
-    recommends: str
-
-
-def tutorial_compare_cloud_vs_selfhost(num_gpus: int = 8, gpu_type: str = "H100-SXM",
-                                       monthly_utilization: float = 0.7,
-                                       months: int = 24) -> TutorialEstimate:
-    """The tutorial's cost comparison (:ref:`ch07-tutorial-wrong`), formula for formula, its
-    constants included.
-
-    Kept only so that the chapter and the lab can compute what it gets wrong: the cloud bill
-    scaled by utilization, a flat $150 of power per GPU, no depreciation, one price per GPU
-    type with a silent fallback for unknown names, a 720-hour month, and a payback computed
-    only in the branch where self-hosting already won.
-    """
-    cloud_hourly = {"H100-SXM": 3.50, "A100-80GB": 1.80, "L40S": 0.90}
-    selfhost_gpu_cost = {"H100-SXM": 30000, "A100-80GB": 15000, "L40S": 7000}
-    server_cost_per_gpu, monthly_power_per_gpu = 3000, 150
-    monthly_maintenance, datacenter_monthly = 500, 2000
-    hourly = cloud_hourly.get(gpu_type, 2.0)
-    gpu_price = selfhost_gpu_cost.get(gpu_type, 15000)
-    cloud_monthly = hourly * num_gpus * 24 * 30 * monthly_utilization
-    cloud_total = cloud_monthly * months
-    hardware = (gpu_price + server_cost_per_gpu) * num_gpus
-    monthly_ops = monthly_power_per_gpu * num_gpus + monthly_maintenance + datacenter_monthly
-    selfhost_total = hardware + monthly_ops * months
-    breakeven = None
-    if selfhost_total < cloud_total:
-        breakeven = hardware / (cloud_monthly - monthly_ops)
-    return TutorialEstimate(
-        num_gpus=num_gpus, gpu_type=gpu_type, months=months, hourly_usd=hourly,
-        gpu_price_usd=gpu_price, price_is_fallback=gpu_type not in cloud_hourly,
-        cloud_monthly_usd=cloud_monthly, cloud_total_usd=cloud_total, hardware_usd=hardware,
-        monthly_ops_usd=monthly_ops, selfhost_total_usd=selfhost_total,
-        breakeven_months=breakeven,
-        recommends="self-hosted" if selfhost_total < cloud_total else "cloud")

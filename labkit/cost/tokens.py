@@ -55,10 +55,12 @@ class Throughput:
     provenance: str
 
     def __post_init__(self) -> None:
-        in_range("input_tok_s", self.input_tok_s, 0, low_open=True)
-        in_range("output_tok_s", self.output_tok_s, 0, low_open=True)
-        in_range("request_rate", self.request_rate, 0, low_open=True)
+        for name in ("input_tok_s", "output_tok_s", "request_rate"):
+            in_range(name, getattr(self, name), 0, low_open=True)
         in_range("prefill_share", self.prefill_share, 0, 1)
+        for name in ("input_tok_s", "output_tok_s", "request_rate", "prefill_share"):
+            # Plain floats, even when measured from NumPy arrays: a record prints as numbers.
+            object.__setattr__(self, name, float(getattr(self, name)))
         positive_int("num_gpus", self.num_gpus)
         if not self.provenance.strip():
             raise ParameterError("provenance", "provenance must say where the throughput "

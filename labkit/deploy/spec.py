@@ -28,13 +28,13 @@ Safe defaults, and why:
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from dataclasses import dataclass
 
 from labkit.autoscale.simulate import COLD_START_S
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.launch import ServeConfig
+from labkit.units import ceil_tolerant
 
 #: vLLM's official OpenAI-server image, pinned: a tag, never ``latest``, so that every
 #: replica runs the same engine. v0.32.0 is the release whose argument parser this course
@@ -91,7 +91,8 @@ def startup_probe(model_load_s: float, margin: float = 1.5, period_s: int = 10) 
     in_range("model_load_s", model_load_s, 0, low_open=True)
     in_range("margin", margin, 1)
     positive_int("period_s", period_s)
-    return Probe(period_s=period_s, failure_threshold=math.ceil(model_load_s * margin / period_s))
+    return Probe(period_s=period_s,
+                 failure_threshold=ceil_tolerant(model_load_s * margin / period_s))
 
 
 #: After startup: restart after 3 failed checks 10 s apart, stop routing after 3 failed checks

@@ -18,22 +18,20 @@ PyYAML, jsonschema).
 
 from __future__ import annotations
 
-import copy
 import functools
-import json
 import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 
-from labkit.autoscale.manifests import KUBERNETES_VERSION, field_at_fault
+from labkit.autoscale.manifests import KUBERNETES_VERSION, field_at_fault, strict
 from labkit.checks import ParameterError
+from labkit.data import read_json
 from labkit.deploy.kubernetes import SECRET_PLACEHOLDER
 
 KSERVE_VERSION = "0.20.0"
@@ -160,30 +158,8 @@ def _systemd_param(message: str) -> str:
 
 @functools.cache
 def _stored_schema(filename: str) -> dict:
-    return json.loads(resources.files("labkit.data").joinpath(filename).read_text())
-
-
-def strict(schema: Mapping) -> dict:
-    """``schema`` with ``additionalProperties: false`` on every object that lists its
-    properties and says nothing about others: what the Kubernetes API server does to a
-    custom resource under strict field validation, and what catches a misspelled Helm value
-    (Helm ignores keys its templates never read). Objects marked
-    ``x-kubernetes-preserve-unknown-fields`` keep their freedom."""
-    schema = copy.deepcopy(dict(schema))
-
-    def walk(node):
-        if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
-    return schema
+    """A schema from ``labkit/data``, read and parsed once."""
+    return read_json(filename)
 
 
 def _check(schema: Mapping, instance: Mapping, what: str) -> None:
@@ -196,7 +172,8 @@ def _check(schema: Mapping, instance: Mapping, what: str) -> None:
 
 def validate_helm_values(values: Mapping) -> None:
     """Check Helm values against production-stack's published ``values.schema.json`` (chart
-    0.1.12, stored in labkit/data with its source), strict (:func:`strict`) (chapter 8)."""
+    0.1.12, stored in labkit/data with its source), strictly: an unknown field is an error
+    (chapter 8)."""
     _check(strict(_stored_schema("production_stack_values.schema.json")), values,
            "production-stack values")
 

@@ -10,7 +10,8 @@ from :mod:`labkit.scheduling`, and sampling with vLLM's parameters.
     print(llm.generate("Paged attention", SamplingParams(max_tokens=8))[0].outputs[0].text)
 """
 
-from labkit.engine.llm_engine import LLM, EngineArgs, LLMEngine
+from labkit.engine.llm import LLM
+from labkit.engine.llm_engine import EngineArgs, LLMEngine
 from labkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from labkit.engine.sampling import RequestOutputKind, SamplingParams
 from labkit.engine.tiny import write_tiny_model

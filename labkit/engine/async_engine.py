@@ -146,7 +146,7 @@ class AsyncLLMEngine:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
-            self.metrics.record_step(engine, outputs)
+            self.metrics.record(engine.last_stats.scheduler, engine.last_stats.iteration)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -162,8 +162,7 @@ class AsyncLLMEngine:
                     _deliver(*stream, err)
         elif kind == "abort":
             self.engine.abort_request(payload)
-            self.metrics.forget(payload)
-            self.metrics.record_step(self.engine, [])
+            self.metrics.record(self.engine.scheduler_stats())
         elif kind in ("sleep", "wake_up"):
             args, done = payload
             try:
@@ -176,8 +175,7 @@ class AsyncLLMEngine:
                     stream = self._streams.get(output.request_id)
                     if stream is not None:
                         _deliver(*stream, output)
-                    self.metrics.forget(output.request_id)
-                self.metrics.record_step(self.engine, [])
+                self.metrics.record(self.engine.scheduler_stats())
                 result = None
             done.set_result(result)
 

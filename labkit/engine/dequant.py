@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from labkit.checks import ParameterError
+
 SUPPORTED = ("pack-quantized", "int-quantized", "float-quantized")
 
 
@@ -45,14 +47,15 @@ def dequantize(tensors: dict[str, np.ndarray], quantization_config: dict) -> dic
         return dequantize_compressed_tensors(tensors, quantization_config)
     if method == "awq":
         return dequantize_awq(tensors, quantization_config)
-    raise ValueError(f"quantization method {method!r} is not supported: use llm-compressor's "
-                     f"compressed-tensors format or AutoAWQ's")
+    raise ParameterError("quantization_config", f"quantization_config: quant_method {method!r} "
+                                                f"is not supported: use llm-compressor's "
+                                                f"compressed-tensors format or AutoAWQ's")
 
 
 def dequantize_awq(tensors: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
     """AutoAWQ GEMM checkpoints: ``qweight``, ``qzeros`` and ``scales`` per layer."""
     if config.get("version", "gemm").lower() != "gemm" or config.get("bits") != 4:
-        raise ValueError("only AutoAWQ's 4-bit GEMM format is supported")
+        raise ParameterError("config", "config: only AutoAWQ's 4-bit GEMM format is supported")
     group = config["group_size"]
     order = np.argsort(AWQ_ORDER)  # column c sits in nibble order[c % 8]
     out = dict(tensors)
@@ -77,7 +80,9 @@ def dequantize_compressed_tensors(tensors: dict[str, np.ndarray],
     """llm-compressor's formats; see the module docstring."""
     fmt = quantization_config.get("format")
     if fmt not in SUPPORTED:
-        raise ValueError(f"compressed-tensors format {fmt!r} is not supported ({SUPPORTED})")
+        raise ParameterError("quantization_config", f"quantization_config: compressed-tensors "
+                                                    f"format {fmt!r} is not supported "
+                                                    f"({SUPPORTED})")
     out = dict(tensors)
     for name in [n for n in tensors if n.endswith(".weight_scale")]:
         prefix = name[: -len(".weight_scale")]

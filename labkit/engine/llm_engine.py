@@ -4,9 +4,10 @@
 ``LLMEngine.step()`` is one iteration of a serving engine: ask the scheduler
 (:class:`labkit.scheduling.Scheduler`) for a batch and the block table of every request in
 it, run the model, sample a token for every sequence whose known tokens are all computed,
-and let each request's ``check_stop`` decide whether it is done. ``LLM`` wraps it in vLLM's
-offline API (:ref:`ch02-offline-api`). The KV cache is sized the way vLLM sizes it (chapter 1), on a
-simulated device of ``device_memory_gib``.
+and let each request's ``check_stop`` decide whether it is done. :class:`~labkit.engine.LLM`
+(:mod:`labkit.engine.llm`) wraps it in vLLM's offline API (:ref:`ch02-offline-api`); each step
+leaves its records for the metrics in ``last_stats`` (:mod:`labkit.engine.stats`). The KV cache
+is sized the way vLLM sizes it (chapter 1), on a simulated device of ``device_memory_gib``.
 
 Requests enter in two halves so that a server can keep its engine loop busy only with
 stepping: :meth:`~labkit.engine.LLMEngine.process_inputs` validates and tokenizes (any thread;
@@ -30,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,13 @@ from labkit.checks import ParameterError, in_range, positive_int
 from labkit.engine.constraints import RegexConstraint
 from labkit.engine.detokenizer import IncrementalDetokenizer
 from labkit.engine.device import SimulatedDevice
+from labkit.engine.inputs import (check_token_ids, encode_prompt, max_tokens_for,
+                                  resolve_max_model_len)
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
+from labkit.engine.stats import (NO_LOOKUPS, EngineStats, IterationStats, PrefixCacheStats,
+                                 SchedulerStats)
 from labkit.engine.sampling import (
     RequestOutputKind,
     SamplingParams,
@@ -106,7 +111,7 @@ class LLMEngine:
                                           f"with config.json")
         self.args = args
         spec = ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-        self.max_model_len = _max_model_len(args.max_model_len, spec)
+        self.max_model_len = resolve_max_model_len(args.max_model_len, spec)
         self.device: SimulatedDevice | None = None
         if args.device_id is not None:
             # vLLM checks free memory before it loads anything (Worker.init_device).
@@ -151,8 +156,9 @@ class LLMEngine:
         # transformers'); normally only the positions sampled from are computed, as in vLLM.
         self.keep_all_logits = False
         self.last_step_logits: dict[str, np.ndarray] = {}
-        self.num_prompt_tokens = 0       # counters behind vLLM's Prometheus metrics
-        self.num_generation_tokens = 0
+        # The records of the latest step, for the metrics (vLLM's SchedulerStats and
+        # IterationStats).
+        self.last_stats = EngineStats(self.scheduler_stats())
 
     def _activation_bytes(self, spec: ModelSpec) -> float:
         return activation_bytes(spec, self.args.max_num_batched_tokens, self.args.max_num_seqs,
@@ -191,9 +197,9 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
-        token_ids = (self._encode(text, add_special_tokens) if text is not None
-                     else self._check_token_ids(prompt))
-        max_tokens = self._max_tokens(len(token_ids), params.max_tokens)
+        token_ids = (encode_prompt(self.tokenizer, text, add_special_tokens) if text is not None
+                     else check_token_ids(prompt, self.vocab_size))
+        max_tokens = max_tokens_for(len(token_ids), params.max_tokens, self.max_model_len)
         if params.n > self.args.max_num_seqs:
             raise ParameterError("n", f"n must be at most max_num_seqs "
                                       f"({self.args.max_num_seqs}), got {params.n}")
@@ -248,6 +254,11 @@ class LLMEngine:
         for choice in choices:
             if choice in self.scheduler.running or choice in self.scheduler.waiting:
                 self.scheduler.finish_request(choice, now)
+
+    def scheduler_stats(self, prefix_cache_stats: PrefixCacheStats = NO_LOOKUPS
+                        ) -> SchedulerStats:
+        """The scheduler's state now (vLLM's ``Scheduler.make_stats``), e.g. after an abort."""
+        return SchedulerStats.of(self.scheduler, prefix_cache_stats)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step would do work; never while asleep: requests that arrive then wait
@@ -360,7 +371,7 @@ class LLMEngine:
 
     def _reset_prefix_cache(self) -> None:
         """Forget every cached block, as vLLM's ``reset_prefix_cache`` (no request holds one:
-        they were all aborted). The manager keeps its counters, which metrics read."""
+        they were all aborted). The manager keeps its running totals of lookups and hits."""
         kv = self.kv_cache
         kv.block_pool = BlockPool(kv.num_blocks, enable_caching=kv.enable_prefix_caching)
 
@@ -374,8 +385,13 @@ class LLMEngine:
         """
         if self.is_sleeping():
             return []
+        kv = self.kv_cache
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         out = self.scheduler.schedule()
+        lookups = PrefixCacheStats(kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits)
+        stats = IterationStats(num_preempted_reqs=len(out.preempted))
         if not out.requests:
+            self.last_stats = EngineStats(self.scheduler_stats(lookups), stats)
             return []
         now = time.monotonic()
         batch = []
@@ -401,7 +417,7 @@ class LLMEngine:
             if start + len(seq.token_ids) < request.num_tokens:
                 continue  # a prefill chunk: nothing to sample yet
             if request.num_output_tokens == 0 and request.num_preemptions == 0:
-                self.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
+                stats.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
             sampled[request.request_id] = self._sample(request, rows[-1])
             # The other choices sample their first token from the same logits.
             forks += [(request, child, self._sample(child, rows[-1]))
@@ -413,7 +429,10 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             if not child.append_output_token(token, now):
                 self.model.copy_blocks(self.scheduler.fork_request(parent, child))
-        self.num_generation_tokens += len(sampled) + len(forks)
+        for request in [*(r for r in out.requests if r.request_id in sampled),
+                        *(child for _, child, _ in forks)]:
+            stats.record_token(request)
+        self.last_stats = EngineStats(self.scheduler_stats(lookups), stats)
         return [self._output(parent) for parent in dict.fromkeys(
             r.parent_id for r in out.requests if r.request_id in sampled
             and (r.params.output_kind is RequestOutputKind.CUMULATIVE
@@ -457,46 +476,6 @@ class LLMEngine:
 
     # -- inputs -------------------------------------------------------------------------
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate from JSON's "\ud800"
-            raise ParameterError("prompt", f"prompt is not valid Unicode: {err.reason} at "
-                                           f"character {err.start}") from None
-        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if not token_ids:
-            raise ParameterError("prompt", "prompt must not be empty")
-        return token_ids
-
-    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """vLLM's rule (0.32): a prompt must fit the context window; the completion gets what
-        the window leaves, or less if asked; asking for more than the window is an error."""
-        room = self.max_model_len - prompt_len
-        if room < 0:
-            raise ParameterError(
-                "input_tokens", f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, your prompt contains {prompt_len} input "
-                                f"tokens, which exceeds this limit even without any output "
-                                f"tokens. Please reduce the length of the input prompt.")
-        if requested is not None and requested > self.max_model_len:
-            raise ParameterError("max_tokens", f"max_tokens={requested} cannot be greater than "
-                                               f"max_model_len={self.max_model_len}")
-        max_tokens = room if requested is None else min(requested, room)
-        if max_tokens < 1:
-            raise ParameterError("max_tokens", f"max_tokens must be at least 1, got {max_tokens}: "
-                                               f"the {prompt_len}-token prompt fills the context")
-        return max_tokens
-
-    def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise ParameterError("prompt", "prompt must not be empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-               for t in token_ids):
-            raise ParameterError("prompt", f"prompt token ids must be integers in "
-                                           f"[0, {self.vocab_size})")
-        return token_ids
-
     def _constraint(self, params: SamplingParams
                     ) -> tuple[RegexConstraint | None, np.ndarray | None]:
         """The output constraint and its mask for the first token; refuse a dead end now."""
@@ -526,88 +505,3 @@ class LLMEngine:
         tokens included (``<|begin_of_text|>`` of an echoed prompt; vLLM 0.32's
         ``convert_ids_list_to_tokens`` in ``vllm/tokenizers/detokenizer_utils.py``)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _max_model_len(requested: int | None, spec: ModelSpec) -> int:
-    """vLLM's rule: the model's ``max_position_embeddings`` unless asked for less."""
-    limit = spec.max_position_embeddings or 2048
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ParameterError("max_model_len", f"max_model_len must be at most the model's "
-                                              f"max_position_embeddings ({limit}), "
-                                              f"got {requested}")
-    return requested
-
-
-class LLM:
-    """vLLM's offline API over the teaching engine: ``LLM(model=...).generate(...)``."""
-
-    def __init__(self, model: str, **engine_args) -> None:
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
-
-    def get_tokenizer(self) -> Tokenizer:
-        return self.llm_engine.tokenizer
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's ``LLM.sleep``: hand the device memory back (needs ``enable_sleep_mode``);
-        see :meth:`~labkit.engine.LLMEngine.sleep` for the levels."""
-        self.llm_engine.sleep(level, mode)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        """vLLM's ``LLM.wake_up``: take the memory back; True once fully awake."""
-        return self.llm_engine.wake_up(tags)
-
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order."""
-        prompts, params = pair_prompts(prompts, sampling_params)
-        return self._run([self.llm_engine.process_inputs(p, sp)
-                          for p, sp in zip(prompts, params, strict=True)], use_tqdm)
-
-    def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate a reply to one conversation, rendered with the model's chat template."""
-        tokenizer = self.llm_engine.tokenizer
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        return self._run([self.llm_engine.process_inputs(ids, sampling_params)], use_tqdm)
-
-    def _run(self, requests: list[list[EngineRequest]], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        if engine.is_sleeping():
-            # vLLM would queue them and wait for a wake_up that nobody can send from here.
-            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
-        for choice in (c for choices in requests for c in choices):
-            choice.params = replace(choice.params, output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = [engine.add_processed(choices) for choices in requests]
-        finished: dict[str, RequestOutput] = {}
-        progress = _progress(len(ids), use_tqdm)
-        while len(finished) < len(ids):
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    progress.update(1)
-        progress.close()
-        return [finished[i] for i in ids]
-
-
-def pair_prompts(prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None
-                 ) -> tuple[list, list[SamplingParams]]:
-    """vLLM's offline ``generate`` arguments as two lists of equal length: one prompt (text
-    or token ids) or many, and one ``SamplingParams`` for all of them or one each."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    params = sampling_params or SamplingParams()
-    params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-    if len(params) != len(prompts):
-        raise ParameterError("sampling_params", "sampling_params: give one per prompt, "
-                                                "or a single one")
-    return list(prompts), params
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, desc="Processed prompts")

@@ -5,13 +5,18 @@ Dashboards and alerts written for vLLM (``vllm:num_requests_running``,
 against ``labkit serve``: same names, types, bucket edges and label names. vLLM labels every
 series with ``model_name`` and ``engine``, the index of the engine core behind the server (one
 per data-parallel rank); the teaching engine is a single core, engine ``"0"``.
+
+The series are fed from the engine's own records of each step
+(:class:`~labkit.engine.stats.SchedulerStats` and :class:`~labkit.engine.stats.IterationStats`),
+as vLLM's ``PrometheusStatLogger.record`` is: gauges take the scheduler's state, counters add
+the step's counts, histograms observe the step's latencies.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from labkit.engine.outputs import RequestOutput
+from labkit.engine.stats import IterationStats, SchedulerStats
 
 # vLLM's own bucket edges, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -55,35 +60,23 @@ class EngineMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency.",
                              E2E_BUCKETS)
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
-        self._last_token_time: dict[str, float] = {}
 
-    def record_step(self, engine, outputs: list[RequestOutput]) -> None:
-        """Bring the metrics up to date after one ``LLMEngine.step()``."""
-        scheduler, kv = engine.scheduler, engine.kv_cache
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(kv.usage)
-        for key, counter, total in (
-                ("queries", self.prefix_queries, kv.prefix_cache_queries),
-                ("hits", self.prefix_hits, kv.prefix_cache_hits),
-                ("preemptions", self.preemptions, scheduler.num_preemptions),
-                ("prompt", self.prompt_tokens, engine.num_prompt_tokens),
-                ("generation", self.generation_tokens, engine.num_generation_tokens)):
-            counter.inc(total - self._seen[key])
-            self._seen[key] = total
-        for output in outputs:
-            m = output.metrics
-            previous = self._last_token_time.get(output.request_id)
-            if previous is None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
-            else:
-                self.itl.observe(m.last_token_time - previous)
-            self._last_token_time[output.request_id] = m.last_token_time
-            if output.finished:
-                self.e2e.observe(m.finished_time - m.arrival_time)
-                del self._last_token_time[output.request_id]
-
-    def forget(self, request_id: str) -> None:
-        """Drop what is kept about an aborted request."""
-        self._last_token_time.pop(request_id, None)
+    def record(self, scheduler_stats: SchedulerStats,
+               iteration_stats: IterationStats | None = None) -> None:
+        """Bring the metrics up to date with one step's records (vLLM's ``record``); without
+        ``iteration_stats`` (an abort, a sleep) only the gauges move."""
+        self.running.set(scheduler_stats.num_running_reqs)
+        self.waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_usage.set(scheduler_stats.kv_cache_usage)
+        self.prefix_queries.inc(scheduler_stats.prefix_cache_stats.queries)
+        self.prefix_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+        if iteration_stats is None:
+            return
+        self.preemptions.inc(iteration_stats.num_preempted_reqs)
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for histogram, values in ((self.ttft, iteration_stats.time_to_first_tokens_iter),
+                                  (self.itl, iteration_stats.inter_token_latencies_iter),
+                                  (self.e2e, iteration_stats.e2e_latencies_iter)):
+            for value in values:
+                histogram.observe(value)

@@ -78,8 +78,9 @@ class LlamaModel:
     def __init__(self, config: dict, weights: dict[str, np.ndarray], num_blocks: int,
                  block_size: int) -> None:
         if config.get("model_type") not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"model_type {config.get('model_type')!r} is not a Llama-family "
-                             f"model this engine runs")
+            raise ParameterError("config", f"config: model_type {config.get('model_type')!r} is "
+                                           f"not a Llama-family model this engine runs "
+                                           f"(llama, qwen2 or mistral)")
         self.spec = ModelSpec.from_hf_config(config)
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.inv_freq = _rope_inv_freq(config, self.spec.head_dim)

@@ -6,7 +6,9 @@ The same routes as ``vllm serve``: ``/v1/models``, ``/v1/completions``,
 routes ``POST /sleep?level=``, ``POST /wake_up`` and ``GET /is_sleeping``
 (:doc:`/chapters/ch06_gpu_sharing`).
 Every 4xx is an OpenAI error object (``{"error": {"message", "type", "param", "code"}}``), so
-the official ``openai`` client raises its usual exceptions.
+the official ``openai`` client raises its usual exceptions; the handlers are the ones the
+gateway uses too (:func:`labkit.http.openai.add_error_handlers`), plus a 503 for a dead engine
+and for a device without room to wake.
 As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, and
 ``/health`` answers 503 once the engine loop has died, so an orchestrator restarts the server.
 """
@@ -22,11 +24,9 @@ from collections.abc import AsyncIterator, Callable
 
 import jinja2
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from labkit.checks import ParameterError
@@ -35,17 +35,17 @@ from labkit.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from labkit.engine.device import DeviceOutOfMemory
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.protocol import ChatCompletionRequest, CompletionRequest
-from labkit.openai_http import APIKeyAuthentication, error_body, error_response
+from labkit.http.openai import (
+    APIError,
+    APIKeyAuthentication,
+    add_error_handlers,
+    error_body,
+    error_response,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it is parsed
 #: vLLM registers its development routes (sleep mode among them) only when this is "1".
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
 
 class TokenizeRequest(BaseModel):
@@ -91,28 +91,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None,
     tokenizer = engine.engine.tokenizer
     decode_one = engine.engine._token_text  # noqa: SLF001 - the engine's one token-text rule
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {first['msg']}")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return error_response(400, f"{where}: {first['msg']}", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        # Its headers too: a 405 must say which methods are allowed (``Allow``, RFC 9110).
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(ParameterError)
-    async def _bad_parameter(_: Request, exc: ParameterError):
-        return error_response(400, str(exc), exc.param)
+    add_error_handlers(app)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError):

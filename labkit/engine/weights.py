@@ -15,6 +15,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from labkit.checks import ParameterError
+
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
            "I32": np.int32, "I8": np.int8, "U8": np.uint8,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
@@ -37,8 +39,9 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         elif info["dtype"] in _DTYPES:
             array = np.frombuffer(raw, _DTYPES[info["dtype"]])
         else:
-            raise ValueError(f"{Path(path).name}: tensor {name!r} has unsupported dtype "
-                             f"{info['dtype']}")
+            raise ParameterError("path", f"path: tensor {name!r} of {Path(path).name} has "
+                                         f"unsupported dtype {info['dtype']} (BF16 or one "
+                                         f"of {', '.join(_DTYPES)})")
         array = array.reshape(info["shape"])
         tensors[name] = array.copy() if array.dtype.kind in "iu" else array.astype(np.float32)
     return tensors
@@ -52,7 +55,7 @@ def load_checkpoint(model_dir: str | Path) -> dict[str, np.ndarray]:
     """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no .safetensors file in {model_dir}")
+        raise ParameterError("model_dir", f"model_dir: no .safetensors file in {model_dir}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         tensors.update(load_safetensors(file))

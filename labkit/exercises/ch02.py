@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from labkit.grading import Feedback, check_number
 from labkit.hardware import get_model, kv_cache_bytes_per_token, kv_dtype_bytes
+from labkit.http.metrics import sample_totals
 from labkit.simulate.metrics import BenchmarkResult, RequestLatencies
 
 
@@ -49,8 +48,8 @@ def check_chat_body(body: Mapping | None, model: str) -> Feedback:
 
 def check_prefix_hit_rate(answer: object, metrics_text: str) -> Feedback:
     """Lab 02b: the prefix-cache hit rate from a ``/metrics`` scrape (hits / queries)."""
-    totals = {s.name: s.value for f in text_string_to_metric_families(metrics_text)
-              for s in f.samples}
+    totals = sample_totals(metrics_text, ["vllm:prefix_cache_hits_total",
+                                          "vllm:prefix_cache_queries_total"])
     hits = totals.get("vllm:prefix_cache_hits_total", 0.0)
     queries = totals.get("vllm:prefix_cache_queries_total", 0.0)
     if not queries:

@@ -25,6 +25,7 @@ from labkit.autoscale import (CONCURRENCY, WAITING, HorizontalPodAutoscaler,
                               KnativePodAutoscaler, Observation)
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.grading import Feedback, check_number
+from labkit.units import ceil_tolerant
 
 
 def _hpa_proposal(current: int, average: float, target: float) -> int:
@@ -186,7 +187,7 @@ def check_panic_concurrency(answer: object, ready_pods: int = 3,
     threshold = 2 * ready_pods  # panic-threshold-percentage 200
     mistakes = {
         "compared the unrounded pod count with the threshold; Knative rounds the pods up "
-        "first": math.ceil(round(threshold * target, 6)),
+        "first": ceil_tolerant(threshold * target, 6),
         "required strictly more than twice the ready pods; the test is >=":
             math.floor(round(threshold * target, 6)) + 1,
         "used the container concurrency target without the 70 % target utilization":

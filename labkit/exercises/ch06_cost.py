@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from labkit.checks import in_range, positive_int
 from labkit.cost.compare import DeploymentOption, monthly_cost_usd, replicas_needed
 from labkit.cost.prices import GPUPrice
 from labkit.cost.tokens import Throughput, token_cost
-from labkit.cost.tutorial_ch6 import TUTORIAL_HOURS_PER_MONTH
+from labkit.tutorial.ch06_cost import TUTORIAL_HOURS_PER_MONTH
 from labkit.grading import Feedback, check_number
 
 
@@ -90,9 +91,7 @@ def check_input_output_prices(answer: object, throughput: Throughput,
     blended = cost.usd_per_1m_blended
     share = throughput.prefill_share
     by_tokens = throughput.input_tok_s / throughput.total_tok_s
-    swapped = token_cost(Throughput(throughput.input_tok_s, throughput.output_tok_s,
-                                    throughput.request_rate, 1 - share, throughput.num_gpus,
-                                    throughput.provenance), price)
+    swapped = token_cost(replace(throughput, prefill_share=1 - share), price)
     parts = []
     for value, target, what, wrong_share in (
             (answer[0], expected[0], "$ per 1M input tokens", swapped.usd_per_1m_input),

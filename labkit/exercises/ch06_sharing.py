@@ -1,6 +1,6 @@
 """Checks for the exercises of the chapter 6.2 lab (``labs/06_gpu_sharing.ipynb``).
 
-Expected values come from labkit's own sharing arithmetic (:mod:`labkit.cost.sharing`) and
+Expected values come from labkit's own sharing arithmetic (:mod:`labkit.sharing`) and
 chapter 1's memory formulas, so the checks agree with what the lab shows. The mistakes they
 name: the attention heads where the KV heads belong, a factor 2 (K and V) forgotten, the
 weights' 4 bits applied to the cache; the CUDA contexts forgotten, or vLLM's older
@@ -14,18 +14,17 @@ import math
 from collections.abc import Sequence
 
 from labkit.checks import in_range, positive_int
-from labkit.cost.sharing import (CUDA_CONTEXT_GIB, host_link, lora_adapter_bytes,
-                                 lora_gpu_buffer_bytes, mig_profile, pack_mig)
 from labkit.grading import Feedback, check_number
 from labkit.hardware import get_model, kv_cache_bytes_per_token, weight_bytes
+from labkit.sharing import (CUDA_CONTEXT_GIB, host_link, lora_adapter_bytes, lora_gpu_buffer_bytes,
+                            mig_profile, pack_mig)
+from labkit.tutorial.ch06_sharing import tutorial_models
 from labkit.units import GiB
 
 
 def check_kv_bytes_per_token(answer: object, model=None) -> Feedback:
     """Lab 06b, exercise 1: bytes of BF16 KV cache per token of ``model`` (default: the
     tutorial's Code Llama 34B), over all layers."""
-    from labkit.cost.sharing import tutorial_models
-
     model = get_model(model or tutorial_models()[0].model)
     expected = kv_cache_bytes_per_token(model, "bf16")
     mistakes = {

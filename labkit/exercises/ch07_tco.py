@@ -1,8 +1,9 @@
 """Checks for the exercises of the chapter 7 lab (``labs/07_tco.ipynb``): cloud, API or your
 own servers.
 
-Every expected value is computed by :mod:`labkit.cost.tco` itself (a :class:`SelfHosted`
-month, an :class:`ApiPrices` bill, a :class:`Scenario`'s breakeven and payback), so the
+Every expected value is computed by :mod:`labkit.cost` itself (a :class:`SelfHosted`
+month, an :class:`~labkit.cost.prices.APIPrice` bill, a :class:`Scenario`'s breakeven and
+payback), so the
 checks agree with what the lab and the chapter show. The mistakes they name are the ones the
 tutorial makes and the ones its readers make: power without PUE or without the server around
 the GPUs, a 720-hour month, the flat $150 a GPU; salvage forgotten; cached tokens billed at
@@ -15,7 +16,8 @@ from __future__ import annotations
 import math
 
 from labkit.checks import in_range, positive_int
-from labkit.cost.tco import ApiPrices, Scenario, SelfHosted, TokenMix
+from labkit.cost.prices import APIPrice, TokenMix, api_price
+from labkit.cost.tco import Scenario, SelfHosted
 from labkit.grading import Feedback, check_number
 
 NEVER = "never"
@@ -77,17 +79,18 @@ def check_depreciation(answer: object, capex_usd: float = 270_000, years: float 
 
 def check_api_bill(answer: object, prompt_tokens: float = 2.0e9,
                    cached_prompt_tokens: float = 1.2e9, output_tokens: float = 0.3e9,
-                   card: ApiPrices | None = None) -> Feedback:
+                   card: APIPrice | None = None) -> Feedback:
     """Lab 07, exercise 3: the month's API bill, in dollars, for ``prompt_tokens`` prompt
-    tokens of which ``cached_prompt_tokens`` were cache hits, and ``output_tokens``, at
-    ``card`` (default: $2 input, $0.10 cached input, $10 output per 1M tokens)."""
-    card = card or ApiPrices(2.0, 0.10, 10.0)
+    tokens of which ``cached_prompt_tokens`` were cache hits (OpenAI's ``usage`` convention:
+    the hits are among the prompt tokens), and ``output_tokens``, at ``card`` (default:
+    OpenAI's GPT-6.1 Sol from chapter 6's table, $2 input, $0.10 cached input, $10 output per
+    1M tokens)."""
+    card = card or api_price("OpenAI", "GPT-6.1 Sol")
     in_range("cached_prompt_tokens", cached_prompt_tokens, 0, prompt_tokens)
-    mix = TokenMix(prompt_tokens - cached_prompt_tokens, cached_prompt_tokens, output_tokens)
-    expected = card.monthly_usd(mix)
-    full_input = prompt_tokens * card.input_usd_1m / 1e6
-    output = output_tokens * card.output_usd_1m / 1e6
-    cached = cached_prompt_tokens * card.cached_input_usd_1m / 1e6
+    expected = card.cost_usd(TokenMix(prompt_tokens, output_tokens, cached_prompt_tokens))
+    full_input = card.cost_usd(TokenMix(prompt_tokens, 0))
+    output = card.cost_usd(TokenMix(0, output_tokens))
+    cached = card.cost_usd(TokenMix(cached_prompt_tokens, 0, cached_prompt_tokens))
     mistakes = {
         "billed the cache hits at the full input price": full_input + output,
         "billed the cache hits twice: the prompt tokens already include them":
@@ -122,7 +125,7 @@ def check_breakeven(answer: object, scenario: Scenario) -> Feedback:
         return _never_feedback(answer, b.never, b.reason, "breakeven volume")
     k = b.servers_at_first
     a = b.api_usd_per_token
-    output_only = scenario.api.output_usd_1m / 1e6
+    output_only = scenario.api.usd_per_1m_output / 1e6
     month = scenario.hardware.month(k)
     mistakes = {
         "priced every token at the output price: input tokens are cheaper":

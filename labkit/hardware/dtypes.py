@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.checks import ParameterError
+
 
 @dataclass(frozen=True)
 class WeightFormat:
@@ -69,8 +71,8 @@ def weight_format(name: str | WeightFormat) -> WeightFormat:
     try:
         return WEIGHT_FORMATS[name]
     except KeyError:
-        raise ValueError(
-            f"weight_dtype must be one of {sorted(WEIGHT_FORMATS)}, got {name!r}"
+        raise ParameterError(
+            "weight_dtype", f"weight_dtype must be one of {sorted(WEIGHT_FORMATS)}, got {name!r}"
         ) from None
 
 
@@ -79,7 +81,7 @@ def kv_dtype_bytes(name: str) -> int:
     key = _KV_ALIASES.get(name, name)
     if key not in KV_DTYPE_BYTES:
         allowed = sorted(set(KV_DTYPE_BYTES) | set(_KV_ALIASES))
-        raise ValueError(f"kv_dtype must be one of {allowed}, got {name!r}")
+        raise ParameterError("kv_dtype", f"kv_dtype must be one of {allowed}, got {name!r}")
     return KV_DTYPE_BYTES[key]
 
 

@@ -9,11 +9,11 @@ no FP8). Memory is the datasheet capacity: HBM and GDDR come in binary-sized chi
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 
+from labkit.checks import ParameterError
+from labkit.data import read_csv
 from labkit.units import GiB
 
 
@@ -67,10 +67,12 @@ class GPU:
         table = {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops,
                  "fp8": self.fp8_tflops, "int8": self.int8_tops}
         if compute_dtype not in table:
-            raise ValueError(f"compute_dtype must be one of {sorted(table)}, got {compute_dtype!r}")
+            raise ParameterError("compute_dtype", f"compute_dtype must be one of "
+                                                  f"{sorted(table)}, got {compute_dtype!r}")
         peak = table[compute_dtype]
         if peak is None:
-            raise ValueError(f"{self.name} has no {compute_dtype} tensor cores")
+            raise ParameterError("compute_dtype", f"compute_dtype: {self.name} has no "
+                                                  f"{compute_dtype} tensor cores")
         return peak * 1e12
 
     def ridge_point(self, compute_dtype: str = "bf16") -> float:
@@ -85,9 +87,8 @@ def _optional(cell: str) -> float | None:
 
 @lru_cache(maxsize=1)
 def _load() -> dict[str, GPU]:
-    text = resources.files("labkit.data").joinpath("gpus.csv").read_text(encoding="utf-8")
     table: dict[str, GPU] = {}
-    for row in csv.DictReader(text.splitlines()):
+    for row in read_csv("gpus.csv"):
         table[row["name"]] = GPU(
             name=row["name"], vendor=row["vendor"], architecture=row["architecture"],
             memory_gib=float(row["memory_gib"]), memory_type=row["memory_type"],
@@ -114,7 +115,7 @@ def get_gpu(name: str | GPU) -> GPU:
     for gpu in _load().values():
         if _normalise(gpu.name) == key:
             return gpu
-    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(_load())}")
+    raise ParameterError("gpu", f"gpu: unknown GPU {name!r}; known: {', '.join(_load())}")
 
 
 def _normalise(name: str) -> str:

@@ -43,6 +43,22 @@ def num_kv_blocks(budget_bytes: float, *, weights_bytes: float, activations_byte
     return max(0, int(free // block_bytes))
 
 
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
+    """vLLM's "Maximum concurrency for ``max_model_len`` tokens per request" (chapter 1).
+
+    A request of ``max_model_len`` tokens takes whole blocks, ``cdiv(max_model_len,
+    block_size)`` of them, so the cache of ``num_blocks`` blocks holds ``num_blocks`` over that
+    many such requests, a fraction in general. It is vLLM 0.32's
+    ``get_max_concurrency_for_kv_cache_config`` (``vllm/v1/core/kv_cache_utils.py``) for one
+    full-attention group: ``cdiv`` of the spec's ``max_memory_usage_bytes`` (``cdiv(max_model_len,
+    block_size)`` pages) by the page size. vLLM logs it with two decimals ("X.XXx") and reports
+    ``int(max_concurrency * max_model_len)`` as the "KV cache size" in tokens.
+    """
+    positive_int("num_blocks", num_blocks, at_least=0)
+    return num_blocks / cdiv(positive_int("max_model_len", max_model_len),
+                             positive_int("block_size", block_size))
+
+
 def check_sequence_fits(num_tokens: int, num_blocks: int, block_size: int, what: str,
                         remedy: str = "", param: str | None = None) -> None:
     """Raise :class:`DoesNotFitError` if one sequence of ``num_tokens`` tokens needs more KV
@@ -109,8 +125,9 @@ class KVCachePlan:
 
     @property
     def max_concurrency(self) -> float:
-        """vLLM's "Maximum concurrency for max_model_len tokens per request"."""
-        return self.num_gpu_blocks / self.blocks_per_sequence
+        """vLLM's "Maximum concurrency for max_model_len tokens per request"
+        (:func:`max_concurrency`)."""
+        return max_concurrency(self.num_gpu_blocks, self.block_size, self.max_model_len)
 
     @property
     def headroom(self) -> float:

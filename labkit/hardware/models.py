@@ -12,11 +12,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
+from labkit.data import read_json
 
 # Config keys of architectures whose memory this module does not model; better an error
 # than a silently wrong count.
@@ -91,12 +91,14 @@ class ModelSpec:
                       "experts_per_token"):
             positive_int(field, getattr(self, field))
         if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ParameterError(
+                "num_attention_heads",
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.experts_per_token > self.num_experts:
-            raise ValueError(
+            raise ParameterError(
+                "experts_per_token",
                 f"experts_per_token ({self.experts_per_token}) must be <= num_experts "
                 f"({self.num_experts})"
             )
@@ -154,21 +156,24 @@ class ModelSpec:
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
-                raise ValueError(f"config: no config.json at {path}")
+                raise ParameterError("config", f"config: no config.json at {path}")
             with path.open(encoding="utf-8") as f:
                 config = json.load(f)
             name = name or path.parent.name
         if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a path or a mapping, got {type(config).__name__}")
+            raise ParameterError("config", f"config must be a path or a mapping, got "
+                                           f"{type(config).__name__}")
         if "text_config" in config:  # multimodal wrappers keep the language model inside
             config = config["text_config"]
         for key, what in _UNSUPPORTED_KEYS.items():
             if config.get(key):
-                raise ValueError(f"config uses {what} ({key!r}), which ModelSpec does not model")
+                raise ParameterError("config", f"config uses {what} ({key!r}), which ModelSpec "
+                                               f"does not model")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                "intermediate_size", "vocab_size") if k not in config]
         if missing:
-            raise ValueError(f"config is missing required keys: {', '.join(missing)}")
+            raise ParameterError("config", f"config is missing required keys: "
+                                           f"{', '.join(missing)}")
         heads = config["num_attention_heads"]
         num_experts = config.get("num_local_experts") or config.get("num_experts") or 1
         is_qwen2 = config.get("model_type") == "qwen2"
@@ -199,8 +204,7 @@ class ModelSpec:
 
 @lru_cache(maxsize=1)
 def _presets() -> dict[str, dict[str, Any]]:
-    text = resources.files("labkit.data").joinpath("models.json").read_text(encoding="utf-8")
-    return {m["name"]: m for m in json.loads(text)["models"]}
+    return {m["name"]: m for m in read_json("models.json")["models"]}
 
 
 def preset_names() -> list[str]:
@@ -213,7 +217,8 @@ def preset_record(name: str) -> dict[str, Any]:
     for key, record in _presets().items():
         if key.lower() == name.lower():
             return record
-    raise ValueError(f"unknown model preset {name!r}; known: {', '.join(_presets())}")
+    raise ParameterError("model", f"model: unknown model preset {name!r}; known: "
+                                  f"{', '.join(_presets())}")
 
 
 def get_model(model: str | ModelSpec) -> ModelSpec:

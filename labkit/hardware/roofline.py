@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
 from labkit.hardware.dtypes import weight_format
 from labkit.hardware.gpus import GPU, get_gpu
 from labkit.hardware.memory import check_tensor_parallel, kv_cache_bytes_per_token
@@ -98,7 +98,8 @@ def _step(gpu: GPU, weight_dtype: str, flops: float, bytes_moved: float, tokens:
 def _compute_dtype(weight_dtype: str) -> str:
     compute = weight_format(weight_dtype).compute_dtype
     if compute == "fp32":
-        raise ValueError("roofline bounds use tensor-core peaks; weight_dtype fp32 has none here")
+        raise ParameterError("weight_dtype", "weight_dtype: roofline bounds use tensor-core "
+                                             "peaks; fp32 has none here")
     return compute
 
 
@@ -116,7 +117,8 @@ def step_bound(model: ModelSpec | str, gpu: GPU | str, rows: Sequence[tuple[int,
     model, gpu = get_model(model), get_gpu(gpu)
     check_tensor_parallel(model, tensor_parallel_size)
     if not rows or any(n < 1 or c < 0 for n, c in rows):
-        raise ValueError("rows must be a non-empty list of (new_tokens >= 1, context >= 0)")
+        raise ParameterError("rows", "rows must be a non-empty list of (new_tokens >= 1, "
+                                     "context >= 0)")
     tokens = sum(n for n, _ in rows)
     pairs = sum(n * c + n * (n + 1) / 2 for n, c in rows)
     kv_tokens = sum(n + c for n, c in rows)

@@ -79,10 +79,11 @@ def select_gpu(model: ModelSpec | str, max_model_len: int = 8192, concurrency: i
             if option is not None:
                 options.append(option)
     if not options:
-        raise ValueError(
-            f"{model.name} does not fit {concurrency} sequence(s) of {max_model_len} tokens on "
-            f"up to {max_gpus} of any GPU in {[g.name for g in candidates]} at precisions "
-            f"{list(precisions)}; lower max_model_len or concurrency, or allow more GPUs"
+        raise DoesNotFitError(
+            "model",
+            f"model: {model.name} does not fit {concurrency} sequence(s) of {max_model_len} "
+            f"tokens on up to {max_gpus} of any GPU in {[g.name for g in candidates]} at "
+            f"precisions {list(precisions)}; lower max_model_len or concurrency, or allow more GPUs"
         )
     rank = {p: i for i, p in enumerate(precisions)}
     return sorted(options, key=lambda r: (r.num_gpus, rank[r.weight_dtype], -r.decode_tok_s))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
 from labkit.units import cdiv
 
 
@@ -37,7 +37,8 @@ def memory_waste(seq_lens: Sequence[int], block_size: int, max_model_len: int) -
     """Slots reserved for sequences of final lengths ``seq_lens`` (prompt + output)."""
     positive_int("block_size", block_size)
     if any(n < 1 or n > max_model_len for n in seq_lens):
-        raise ValueError(f"every sequence length must be in [1, max_model_len={max_model_len}]")
+        raise ParameterError("seq_lens", f"seq_lens: every sequence length must be in "
+                                         f"[1, max_model_len={max_model_len}]")
     used = sum(seq_lens)
     paged = sum(cdiv(n, block_size) * block_size for n in seq_lens)
     return MemoryWaste(used, paged, max_model_len * len(seq_lens))

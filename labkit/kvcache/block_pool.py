@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
 from labkit.kvcache.hashing import BlockHash
 
 
@@ -63,7 +63,7 @@ class FreeBlockQueue:
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
         if block is self._tail:
-            raise ValueError("no free blocks")
+            raise ParameterError(None, "popleft: no free blocks")
         # remove(), inlined: the hottest call of a long simulation.
         nxt = block.next_free
         self._head.next_free, nxt.prev_free = nxt, self._head
@@ -75,7 +75,8 @@ class FreeBlockQueue:
         """The first ``n`` blocks, unlinked in one walk: the head is relinked once, not ``n``
         times, and no call per block."""
         if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
+            raise ParameterError("n", f"n: asked for {n} blocks, only {self.num_free_blocks} "
+                                      f"free")
         blocks = []
         block = self._head.next_free
         for _ in range(n):
@@ -104,7 +105,7 @@ class FreeBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         if block.prev_free is None or block.next_free is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
+            raise ParameterError("block", f"block {block.block_id} is not in the free queue")
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
@@ -215,7 +216,8 @@ class BlockPool:
         try:
             for block in blocks:
                 if block.ref_cnt <= 0:
-                    raise ValueError(f"block {block.block_id} freed more often than taken")
+                    raise ParameterError("blocks", f"blocks: block {block.block_id} freed more "
+                                                   f"often than taken")
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0:
                     freed.append(block)

@@ -13,7 +13,7 @@ from itertools import islice
 from operator import attrgetter
 from typing import TypeVar
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
 from labkit.kvcache.block_pool import BlockPool, KVCacheBlock
 from labkit.kvcache.hashing import BlockHash, BlockHasher, HashFn
 from labkit.units import cdiv
@@ -97,18 +97,21 @@ class KVCacheManager:
         positive_int("num_new_tokens", num_new_tokens)
         known = request_id in self.req_to_blocks
         if known and computed_blocks:
-            raise ValueError(f"request {request_id!r} already has blocks; cached prefix blocks "
-                             f"are only taken on its first allocation")
+            raise ParameterError("computed_blocks", f"computed_blocks: request {request_id!r} "
+                                                    f"already has blocks; cached prefix blocks "
+                                                    f"are only taken on its first allocation")
         blocks = self.req_to_blocks.get(request_id, [])
         slots = self.req_num_slots[request_id] if known else len(computed_blocks) * self.block_size
         total = slots + num_new_tokens
         if total > len(token_ids):
-            raise ValueError(f"request {request_id!r}: {total} slots asked for but only "
-                             f"{len(token_ids)} tokens are known")
+            raise ParameterError("num_new_tokens", f"num_new_tokens: request {request_id!r}: "
+                                                   f"{total} slots asked for but only "
+                                                   f"{len(token_ids)} tokens are known")
         blocks_needed = cdiv(total, self.block_size)
         if blocks_needed > self.num_blocks:
-            raise ValueError(f"request {request_id!r} needs {blocks_needed} blocks; the cache "
-                             f"has {self.num_blocks} in all")
+            raise ParameterError("num_new_tokens", f"num_new_tokens: request {request_id!r} "
+                                                   f"needs {blocks_needed} blocks; the cache "
+                                                   f"has {self.num_blocks} in all")
         num_new_blocks = blocks_needed - len(blocks) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # leave the free queue
         if num_new_blocks > self.block_pool.num_free_blocks - revived:
@@ -139,8 +142,8 @@ class KVCacheManager:
         engine must perform, or ``None`` with nothing changed when no block is free for the copy.
         """
         if child_id in self.req_to_blocks:
-            raise ValueError(f"request {child_id!r} already exists")
-        blocks = _of_request(self.req_to_blocks, parent_id)
+            raise ParameterError("child_id", f"child_id: request {child_id!r} already exists")
+        blocks = _of_request(self.req_to_blocks, parent_id, "parent_id")
         slots = self.req_num_slots[parent_id]
         shared = blocks[: slots // self.block_size]
         partial = blocks[len(shared):]
@@ -181,8 +184,8 @@ class KVCacheManager:
 _block_id = attrgetter("block_id")  # in C: a prompt takes hundreds of blocks at once
 
 
-def _of_request(table: dict[str, T], request_id: str) -> T:
+def _of_request(table: dict[str, T], request_id: str, param: str = "request_id") -> T:
     try:
         return table[request_id]
     except KeyError:
-        raise ValueError(f"unknown request {request_id!r}") from None
+        raise ParameterError(param, f"{param}: unknown request {request_id!r}") from None

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from labkit.checks import positive_int
+from labkit.checks import ParameterError, positive_int
 
 
 @dataclass(eq=False)
@@ -60,7 +60,8 @@ class RadixCache:
         The caller owns the slots of the already-cached part and should free its copies.
         """
         if len(token_ids) != len(slots):
-            raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
+            raise ParameterError("slots", f"slots must be one per token: {len(token_ids)} "
+                                          f"tokens but {len(slots)} slots")
         node, matched, _ = self._walk(token_ids)
         if matched < len(token_ids):
             leaf = TreeNode(tuple(token_ids[matched:]), list(slots[matched:]), node,
@@ -100,7 +101,7 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
             if node.lock_ref <= 0:
-                raise ValueError("dec_lock_ref on an unlocked node")
+                raise ParameterError("node", "node: dec_lock_ref on an unlocked node")
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)

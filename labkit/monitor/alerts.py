@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from labkit.checks import ParameterError, in_range
-from labkit.monitor.series import (Labels, SeriesStore, histogram_quantile, latest_values,
-                                   rate, sum_rate)
+from labkit.monitor.series import (Labels, SeriesStore, histogram_quantile, latest_values, rate,
+                                   sum_rate)
+from labkit.units import prometheus_duration
 
 #: ``resolvedRetention`` in rules/alerting.go (v3.9.1): 15 minutes.
 RESOLVED_RETENTION_S = 15 * 60.0
@@ -180,16 +181,6 @@ class RuleEvaluator:
 # -- the chapter's rules, on vLLM's metric names ------------------------------------------
 
 
-def promql_duration(seconds: float) -> str:
-    """``seconds`` as a PromQL duration: ``300s``, or ``1500ms`` below whole seconds."""
-    in_range("window_s", seconds, 0, low_open=True)
-    milliseconds = round(seconds * 1000)
-    if milliseconds <= 0 or abs(milliseconds - seconds * 1000) > 1e-6:
-        raise ParameterError("window_s", f"window_s must be a whole number of milliseconds, "
-                                         f"got {seconds!r}")
-    return f"{milliseconds // 1000}s" if milliseconds % 1000 == 0 else f"{milliseconds}ms"
-
-
 def _above(values: dict[Labels, float], threshold: float) -> dict[Labels, float]:
     """PromQL's ``vector > threshold``: NaN compares false, so it drops out too."""
     return {k: v for k, v in values.items() if not math.isnan(v) and v > threshold}
@@ -203,7 +194,7 @@ def ttft_p99_above(threshold_s: float, *, window_s: float = 300.0, for_s: float 
     in_range("threshold_s", threshold_s, 0, low_open=True)
     in_range("quantile", quantile, 0, 1)
     name = "vllm:time_to_first_token_seconds"
-    window = promql_duration(window_s)
+    window = prometheus_duration(in_range("window_s", window_s, 0, low_open=True), "window_s")
 
     def condition(store: SeriesStore, at_s: float) -> dict[Labels, float]:
         return _above(histogram_quantile(quantile, store, name, at_s, window_s=window_s,
@@ -246,7 +237,7 @@ def preemption_rate_above(per_s: float, *, window_s: float = 300.0,
     requests are being evicted from the KV cache and recomputed."""
     in_range("per_s", per_s, 0)
     name = "vllm:num_preemptions_total"
-    window = promql_duration(window_s)
+    window = prometheus_duration(in_range("window_s", window_s, 0, low_open=True), "window_s")
     return AlertRule(
         "VllmPreempting",
         lambda store, at_s: _above(sum_rate(store, name, window_s, at_s, by=("instance",)),
@@ -265,7 +256,7 @@ def error_ratio_above(ratio: float, *, window_s: float = 300.0, for_s: float = 0
     by default, because the gateway also sees the requests that never reached a server. With no
     requests in the window the ratio is 0/0 = NaN, which never alerts (as in PromQL)."""
     in_range("ratio", ratio, 0, 1)
-    window = promql_duration(window_s)
+    window = prometheus_duration(in_range("window_s", window_s, 0, low_open=True), "window_s")
     group = ", ".join(by)
 
     def condition(store: SeriesStore, at_s: float) -> dict[Labels, float]:

@@ -26,24 +26,16 @@ from dataclasses import dataclass
 
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.engine.metrics import TTFT_BUCKETS
+from labkit.http.urls import instance_of
 from labkit.monitor.alerts import AlertRule, AlertState, RuleEvaluator
-from labkit.monitor.scrape import DEFAULT_SCRAPE_INTERVAL_S, DEFAULT_SCRAPE_TIMEOUT_S, instance_of
+from labkit.monitor.scrape import DEFAULT_SCRAPE_INTERVAL_S, DEFAULT_SCRAPE_TIMEOUT_S
 from labkit.monitor.series import SeriesStore
+from labkit.units import prometheus_duration
 
 #: Grafana's classic dashboard JSON model, schema version of Grafana 12.x exports
 #: (grafana/grafana, docs/sources/visualizations/dashboards/build-dashboards/
 #: view-dashboard-json-model/index.md, commit 11835de, 2025-12: ``"schemaVersion": 42``).
 GRAFANA_SCHEMA_VERSION = 42
-
-
-def _duration(seconds: float) -> str:
-    """Seconds as a Prometheus duration (``15s``, ``1500ms``); 0 as ``0s``."""
-    in_range("seconds", seconds, 0)
-    ms = round(seconds * 1000)
-    if abs(ms - seconds * 1000) > 1e-6:
-        raise ParameterError("seconds", f"seconds must be a whole number of milliseconds, "
-                                        f"got {seconds!r}")
-    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 # -- scrape config --------------------------------------------------------------------------
@@ -70,10 +62,11 @@ def scrape_config(vllm_urls: Sequence[str], gateway_urls: Sequence[str] = (), *,
         return {"job_name": name, "metrics_path": "/metrics",
                 "static_configs": [{"targets": [instance_of(u) for u in urls]}]}
 
-    config = {"global": {"scrape_interval": _duration(scrape_interval_s),
-                         "scrape_timeout": _duration(min(DEFAULT_SCRAPE_TIMEOUT_S,
-                                                         scrape_interval_s)),
-                         "evaluation_interval": _duration(evaluation)},
+    config = {"global": {
+        "scrape_interval": prometheus_duration(scrape_interval_s, "scrape_interval_s"),
+        "scrape_timeout": prometheus_duration(min(DEFAULT_SCRAPE_TIMEOUT_S, scrape_interval_s),
+                                              "scrape_interval_s"),
+        "evaluation_interval": prometheus_duration(evaluation, "evaluation_interval_s")},
               "scrape_configs": [job("vllm", vllm_urls)]}
     if gateway_urls:
         config["scrape_configs"].append(job("labkit-gateway", gateway_urls))
@@ -93,15 +86,18 @@ def rules_file(rules: Sequence[AlertRule], *, group: str = "labkit-vllm",
         raise ParameterError("rules", "rules must hold at least one AlertRule")
     out = []
     for rule in rules:
-        entry = {"alert": rule.name, "expr": rule.promql, "for": _duration(rule.for_s)}
+        entry = {"alert": rule.name, "expr": rule.promql,
+                 "for": prometheus_duration(rule.for_s, "for_s")}
         if rule.keep_firing_for_s:
-            entry["keep_firing_for"] = _duration(rule.keep_firing_for_s)
+            entry["keep_firing_for"] = prometheus_duration(rule.keep_firing_for_s,
+                                                           "keep_firing_for_s")
         if rule.summary:
             entry["annotations"] = {"summary": rule.summary}
         out.append(entry)
     body = {"name": group, "rules": out}
     if interval_s is not None:
-        body["interval"] = _duration(in_range("interval_s", interval_s, 0, low_open=True))
+        in_range("interval_s", interval_s, 0, low_open=True)
+        body["interval"] = prometheus_duration(interval_s, "interval_s")
     return {"groups": [body]}
 
 
@@ -194,6 +190,7 @@ def rule_tests(rules: Sequence[AlertRule], script: ScriptedLoad, *,
     change and one step before (still pending or still firing), with the labels and summary
     Prometheus must report.
     """
+    interval = prometheus_duration(script.interval_s, "script.interval_s")
     evaluator = RuleEvaluator(rules, script.store())
     firing: dict[str, list[list[dict]]] = {r.name: [] for r in rules}
     for step in range(script.steps):
@@ -214,11 +211,12 @@ def rule_tests(rules: Sequence[AlertRule], script: ScriptedLoad, *,
             if rule.summary:
                 for alert in expected:
                     alert["exp_annotations"] = {"summary": rule.summary}
-            cases.append({"eval_time": _duration(step * script.interval_s),
+            cases.append({"eval_time": prometheus_duration(step * script.interval_s,
+                                                           "script.interval_s"),
                           "alertname": rule.name, "exp_alerts": expected})
     return {"rule_files": [rule_file],
-            "evaluation_interval": _duration(script.interval_s),
-            "tests": [{"interval": _duration(script.interval_s),
+            "evaluation_interval": interval,
+            "tests": [{"interval": interval,
                        "input_series": script.promtool_series(),
                        "alert_rule_test": cases}]}
 

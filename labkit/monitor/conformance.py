@@ -31,12 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError
 
-#: The words the tutorial's ``InferenceMonitor._parse_metric`` looks for in ``/metrics``
-#: (seed tutorial, chapter 8, ``InferenceMonitor.check_health``): it takes the first line
-#: containing the word. GPU utilisation and memory come from NVIDIA's DCGM exporter
-#: (``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_FB_USED``), never from vLLM.
-TUTORIAL_MONITOR_LOOKUPS = ("gpu_utilization", "gpu_memory_used_bytes")
-
 #: Series every Prometheus scrape adds to each target (Prometheus docs, "Jobs and
 #: instances": ``up``, ``scrape_duration_seconds``, ``scrape_samples_scraped``,
 #: ``scrape_samples_post_metric_relabeling``, ``scrape_series_added``).
@@ -351,6 +345,6 @@ def lint_substring_lookups(words: Iterable[str], *,
 
 
 __all__ = ["ConformanceReport", "DeprecatedMetric", "Difference", "LintFinding", "MetricSpec",
-           "Reference", "SCRAPE_SERIES", "TUTORIAL_MONITOR_LOOKUPS", "check_exposition",
+           "Reference", "SCRAPE_SERIES", "check_exposition",
            "known_names", "lint_queries", "lint_substring_lookups", "load_reference",
            "metric_names_in", "one_two_five"]

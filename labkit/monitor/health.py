@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import httpx
 
 from labkit.checks import ParameterError
-from labkit.gateway.backends import (DEFAULT_EJECT_AFTER, DEFAULT_PROBE_TIMEOUT_S,
-                                     DEFAULT_READMIT_AFTER, BackendPool)
+from labkit.gateway.backends import BackendPool
+from labkit.gateway.config import (DEFAULT_EJECT_AFTER, DEFAULT_PROBE_TIMEOUT_S,
+                                   DEFAULT_READMIT_AFTER, GatewayConfig)
 from labkit.gateway.endpoints import Endpoint
 
 
@@ -63,9 +64,9 @@ class HealthChecker:
         self.clock = clock
         self.transitions: list[HealthTransition] = []
         self._now = 0.0
-        self._pool = BackendPool(urls, eject_after=eject_after, readmit_after=readmit_after,
-                                 probe_timeout_s=timeout_s,
-                                 on_eject=lambda e: self._record(e, False),
+        config = GatewayConfig(eject_after=eject_after, readmit_after=readmit_after,
+                               probe_timeout_s=timeout_s)
+        self._pool = BackendPool(urls, config, on_eject=lambda e: self._record(e, False),
                                  on_readmit=lambda e: self._record(e, True))
 
     def _record(self, endpoint: Endpoint, healthy: bool) -> None:

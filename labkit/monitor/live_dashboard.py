@@ -1,6 +1,6 @@
-"""A live dashboard in the notebook, and the scripted load it watches (:ref:`ch08-scraping`).
+"""A live dashboard in the notebook (:ref:`ch08-scraping`).
 
-:class:`LiveDashboard` asks a monitor (:func:`labkit.monitor.prometheus.start_monitor`: the
+:class:`LiveDashboard` asks a monitor (:func:`labkit.monitor.fallback.start_monitor`: the
 real Prometheus or labkit's scraper) the same PromQL a Grafana dashboard would, every few
 seconds while a load runs, and redraws six panels: requests running and waiting per server,
 KV-cache usage, fleet TTFT p50 and p99, generated tokens per second, and the gateway's
@@ -8,10 +8,8 @@ requests per second by backend. The plot is a PNG in an ``ipywidgets.Image`` and
 line an ``ipywidgets.HTML``: updating them sends widget messages, not cell output, so the
 dashboard works the same in JupyterLab and headless (nbval), where nobody looks.
 
-:func:`scripted_load` is the load: phases of a fixed number of requests in flight (a closed
-loop: a new request leaves when one ends), such as calm, overload, calm. Against a server
-started with a small ``--max-num-seqs``, requests beyond that number wait in its queue
-(``vllm:num_requests_waiting``), which is what the queue alert watches.
+The load it watches is the lab's: any coroutine, such as
+:func:`labkit.harness.load_phases.scripted_load` (calm, overload, calm).
 """
 
 from __future__ import annotations
@@ -21,102 +19,19 @@ import html
 import io
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
 
-import httpx
-
-from labkit.bench import BenchRequest
 from labkit.checks import ParameterError, in_range
-from labkit.gateway.backends import normalize_url
-from labkit.gateway.loadgen import StreamResult, stream_completion
-from labkit.monitor.prometheus import AlertChange, AlertWatcher, Monitor
-from labkit.monitor.scrape import instance_of
+from labkit.http.urls import instance_of, normalize_url
+from labkit.monitor.alert_watcher import AlertChange, AlertWatcher
+from labkit.monitor.base import Monitor
 from labkit.monitor.series import Labels
+from labkit.units import prometheus_duration
 
 #: The colour of the line drawn where an alert entered a state.
 ALERT_COLOURS = {"pending": "tab:orange", "firing": "tab:red", "resolved": "tab:green",
                  "inactive": "tab:gray"}
-
-
-# -- the load ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadPhase:
-    """Keep ``concurrency`` requests in flight for ``duration_s`` seconds (0: idle)."""
-
-    concurrency: int
-    duration_s: float
-
-    def __post_init__(self) -> None:
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) \
-                or self.concurrency < 0:
-            raise ParameterError("concurrency", f"concurrency must be an integer >= 0, "
-                                                f"got {self.concurrency!r}")
-        in_range("duration_s", self.duration_s, 0, low_open=True)
-
-
-@dataclass
-class PhaseResult:
-    """What one phase sent, and when it started and ended on the load's clock (seconds)."""
-
-    phase: LoadPhase
-    start_s: float
-    end_s: float
-    results: list[StreamResult] = field(default_factory=list)
-
-
-async def scripted_load(base_url: str, model: str, phases: Sequence[LoadPhase],
-                        requests: Sequence[BenchRequest], *,
-                        clock: Callable[[], float] = time.monotonic,
-                        timeout_s: float = 300.0) -> list[PhaseResult]:
-    """Run ``phases`` one after the other against ``base_url`` (chapter 8).
-
-    In each phase ``concurrency`` workers send streamed completions back to back, taking
-    ``requests`` in turn (cycling), until the phase's time is up; a request in flight then
-    finishes, so the load falls as the queue drains, as it does when clients stop. The
-    next phase starts on time regardless. ``clock`` stamps the phases (pass the monitor's
-    ``now`` to line them up with its samples). Returns one
-    :class:`~labkit.monitor.live_dashboard.PhaseResult` per phase.
-    """
-    if not phases:
-        raise ParameterError("phases", "phases must hold at least one LoadPhase")
-    if not requests:
-        raise ParameterError("requests", "requests must hold at least one BenchRequest")
-    most = max(p.concurrency for p in phases)
-    limits = httpx.Limits(max_connections=2 * most + 4)
-    turn = 0
-
-    def next_request() -> BenchRequest:
-        nonlocal turn
-        request = requests[turn % len(requests)]
-        turn += 1
-        return request
-
-    async with httpx.AsyncClient(base_url=normalize_url(base_url), timeout=timeout_s,
-                                 limits=limits, trust_env=False) as client:
-        async def worker(record: PhaseResult, until: float) -> None:
-            while time.monotonic() < until:
-                request = next_request()
-                record.results.append(await stream_completion(client, model, request.prompt,
-                                                              request.max_tokens))
-
-        out: list[PhaseResult] = []
-        workers: list[asyncio.Task] = []
-        for phase in phases:
-            record = PhaseResult(phase, clock(), math.nan)
-            until = time.monotonic() + phase.duration_s
-            workers += [asyncio.create_task(worker(record, until))
-                        for _ in range(phase.concurrency)]
-            await asyncio.sleep(phase.duration_s)
-            record.end_s = clock()
-            out.append(record)
-        await asyncio.gather(*workers)
-    return out
-
-
-# -- the dashboard ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -135,7 +50,7 @@ def default_panels(window_s: float = 10.0, *, gateway: bool = True) -> list[Pane
     (a few scrape intervals: enough samples for ``rate()``, short enough to follow a lab's
     load)."""
     in_range("window_s", window_s, 0, low_open=True)
-    w = f"{window_s:g}s"
+    w = prometheus_duration(window_s, "window_s")
     ttft = "vllm:time_to_first_token_seconds_bucket"
     panels = [
         Panel("Requests running", "requests", (("{name}", "vllm:num_requests_running"),)),
@@ -160,7 +75,7 @@ class LiveDashboard:
     ``names`` maps a server's or gateway's URL to the name its series get in legends
     (``{"http://127.0.0.1:8001": "server 0"}``); series whose labels name no known URL keep
     their labels. Every refresh also polls the active alerts (:attr:`alerts`, an
-    :class:`~labkit.monitor.prometheus.AlertWatcher`), shown in the status line.
+    :class:`~labkit.monitor.alert_watcher.AlertWatcher`), shown in the status line.
     """
 
     def __init__(self, monitor: Monitor, panels: Sequence[Panel] | None = None, *,
@@ -180,7 +95,7 @@ class LiveDashboard:
         #: ``{(panel title, legend): [(t_s, value), ...]}``, NaN where a query had no value.
         self.history: dict[tuple[str, str], list[tuple[float, float]]] = {}
         #: The alert changes seen at each refresh (an
-        #: :class:`~labkit.monitor.prometheus.AlertWatcher` on ``monitor``).
+        #: :class:`~labkit.monitor.alert_watcher.AlertWatcher` on ``monitor``).
         self.alerts = AlertWatcher(monitor)
         self.refreshes = 0
         self.status = widgets.HTML()
@@ -292,7 +207,7 @@ class LiveDashboard:
         await self.redraw()
 
     async def run(self, load: Awaitable[object]) -> object:
-        """Await ``load`` (a coroutine: :func:`scripted_load`, ``run_requests``, ...) while
+        """Await ``load`` (a coroutine: ``scripted_load``, ``run_requests``, ...) while
         sampling every ``every_s`` seconds; the plot is redrawn after a sample when the
         previous drawing is done and at least three drawing times ago (drawing holds the
         interpreter, which the load generator needs: a busy machine draws less often), and

@@ -2,11 +2,12 @@
 (:ref:`ch08-scraping`).
 
 What a Prometheus server does on each scrape, in Python: ``GET /metrics`` from every
-target at once, parse the page with ``prometheus_client``'s parser, and store each sample
-under its exposed name (a counter's ``_total``, a histogram's ``_bucket``/``_sum``/``_count``)
-with the target's ``instance`` and ``job`` labels added, all stamped with the time the
-scrape started. Each target also gets the synthetic series ``up``: 1 after a successful
-scrape, 0 after a failed one, which the "backend down" alert reads.
+target at once, parse the page (:func:`labkit.http.metrics.parse_samples`,
+``prometheus_client``'s parser), and store each sample under its exposed name (a counter's
+``_total``, a histogram's ``_bucket``/``_sum``/``_count``) with the target's ``instance``
+and ``job`` labels added, all stamped with the time the scrape started. Each target also
+gets the synthetic series ``up``: 1 after a successful scrape, 0 after a failed one, which
+the "backend down" alert reads.
 
 Defaults are Prometheus' own (prometheus/prometheus v3.9.1, ``config/config.go``,
 ``DefaultGlobalConfig``): scrape every 1 minute with a 10-second timeout. A lab under load
@@ -19,13 +20,12 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError, in_range
-from labkit.gateway.backends import normalize_url
+from labkit.http.metrics import parse_samples
+from labkit.http.urls import instance_of, normalize_url
 from labkit.monitor.series import SeriesStore
 
 #: Prometheus' ``scrape_interval`` and ``scrape_timeout`` defaults (module docstring).
@@ -43,28 +43,6 @@ class ScrapeResult:
     samples: int           # samples stored (0 when the scrape failed)
     duration_s: float      # wall time of the request and the parse
     error: str | None = None
-
-
-def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample on a ``/metrics`` page as ``(name, labels, value)`` (chapter 8).
-
-    Names are the exposed ones (``vllm:num_preemptions_total``,
-    ``vllm:time_to_first_token_seconds_bucket``), the names PromQL queries use. A page the
-    parser rejects raises :class:`~labkit.checks.ParameterError`.
-    """
-    try:
-        return [(s.name, dict(s.labels), float(s.value))
-                for family in text_string_to_metric_families(text) for s in family.samples]
-    except ValueError as error:
-        raise ParameterError("text", f"text is not Prometheus exposition format: {error}") \
-            from None
-
-
-def instance_of(url: str) -> str:
-    """The ``instance`` label Prometheus gives a target: its ``host:port``."""
-    parts = urlsplit(normalize_url(url))
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.hostname}:{port}"
 
 
 class Scraper:
@@ -96,23 +74,6 @@ class Scraper:
         """Scrape every target once, concurrently; one timestamp for all of them."""
         t_s = self.clock()
         return list(await asyncio.gather(*(self._scrape(url, t_s) for url in self.urls)))
-
-    async def run(self, interval_s: float = DEFAULT_SCRAPE_INTERVAL_S, *,
-                  until: asyncio.Event) -> int:
-        """Scrape every ``interval_s`` seconds (start to start) until ``until`` is set;
-        returns how many rounds ran."""
-        in_range("interval_s", interval_s, 0, low_open=True)
-        rounds = 0
-        while not until.is_set():
-            started = time.monotonic()
-            await self.scrape_once()
-            rounds += 1
-            try:
-                await asyncio.wait_for(until.wait(),
-                                       max(0.0, interval_s - (time.monotonic() - started)))
-            except TimeoutError:
-                pass
-        return rounds
 
     async def _scrape(self, url: str, t_s: float) -> ScrapeResult:
         started = time.monotonic()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.checks import ParameterError
 from labkit.quant.rtn import QuantizedTensor, quantize
 
 
@@ -46,7 +47,7 @@ def ratio_errors(weights: Sequence[np.ndarray], x: np.ndarray, bits: int = 4,
     x = np.asarray(x, np.float32)
     for w in weights:
         if x.ndim != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
+            raise ParameterError("x", f"x must be [tokens, {w.shape[1]}], got shape {x.shape}")
     x_mean = np.abs(x).mean(axis=0) + 1e-8
     results = []
     for ratio in np.arange(grid) / grid:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from labkit.checks import ParameterError
+
 FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 SCHEMES = ("tensor", "channel", "token")
 
@@ -42,13 +44,14 @@ def quantize_fp8(x: np.ndarray, fmt: str = "e4m3", scheme: str = "tensor") -> FP
     channel); or one per row computed on the fly (``token``, for activations, "dynamic").
     """
     if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        raise ParameterError("scheme", f"scheme must be one of {SCHEMES}, got {scheme!r}")
     x = np.asarray(x, dtype=np.float32)
     if scheme == "tensor":
         amax = np.abs(x).max(keepdims=True)
     else:
         if x.ndim != 2:
-            raise ValueError(f"per-{scheme} scaling needs a matrix, got shape {x.shape}")
+            raise ParameterError("x", f"x must be a matrix for per-{scheme} scaling, got shape "
+                                      f"{x.shape}")
         amax = np.abs(x).max(axis=1, keepdims=True)
     top = fp8_max(fmt)
     scale = np.where(amax == 0, 1.0, amax / top).astype(np.float32)
@@ -60,4 +63,4 @@ def _dtype(fmt: str):
     try:
         return FORMATS[fmt]
     except KeyError:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}") from None
+        raise ParameterError("fmt", f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}") from None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from labkit.checks import in_range
+from labkit.checks import ParameterError, in_range
 from labkit.quant.rtn import check_group_size, code_range, quant_params
 
 
@@ -44,7 +44,7 @@ def gptq_quantize(w: np.ndarray, x: np.ndarray, bits: int = 4, group_size: int =
     x = np.asarray(x, dtype=np.float64)
     out, inp = w.shape
     if x.ndim != 2 or x.shape[1] != inp:
-        raise ValueError(f"x must be [tokens, {inp}], got shape {x.shape}")
+        raise ParameterError("x", f"x must be [tokens, {inp}], got shape {x.shape}")
     check_group_size(inp, group_size)
     in_range("damp", damp, 0, 1, low_open=True, high_open=True)
     h = 2 * x.T @ x / len(x)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.checks import ParameterError
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.weights import load_checkpoint
 from labkit.hardware.kv_budget import check_sequence_fits
@@ -65,9 +66,10 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
     from safetensors.numpy import save_file
 
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ParameterError("method", f"method must be one of {METHODS}, got {method!r}")
     if method in ("awq-int4", "gptq-int4") and not calibration:
-        raise ValueError(f"{method} needs calibration sequences")
+        raise ParameterError("calibration", f"calibration: {method} needs calibration "
+                                            f"sequences")
     weights = load_checkpoint(model_dir)
     inputs = calibrate(model_dir, calibration) if calibration else {}
     if method == "awq-int4":

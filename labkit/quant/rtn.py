@@ -87,7 +87,8 @@ def _group_size(w: np.ndarray, granularity: str, group_size: int) -> int:
     if granularity == "tensor" or granularity == "channel":
         return inp
     if granularity != "group":
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        raise ParameterError("granularity", f"granularity must be one of {GRANULARITIES}, got "
+                                            f"{granularity!r}")
     return check_group_size(inp, group_size)
 
 
@@ -99,10 +100,10 @@ def quantize(w: np.ndarray, bits: int = 8, symmetric: bool = True, granularity: 
     values beyond it saturate, and the rest get a finer grid.
     """
     if bits not in (2, 3, 4, 8):
-        raise ValueError(f"bits must be 2, 3, 4 or 8, got {bits}")
+        raise ParameterError("bits", f"bits must be 2, 3, 4 or 8, got {bits}")
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
-        raise ValueError(f"w must be a matrix [out, in], got shape {w.shape}")
+        raise ParameterError("w", f"w must be a matrix [out, in], got shape {w.shape}")
     g = _group_size(w, granularity, group_size)
     out, inp = w.shape
     groups = w.reshape(out, inp // g, g)
@@ -124,9 +125,9 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
     """Pack 4-bit codes (0..15, or -8..7) two per byte: even index low nibble, odd high."""
     q = np.asarray(q)
     if q.shape[-1] % 2:
-        raise ValueError("the last dimension must be even to pack pairs")
+        raise ParameterError("q", "q: the last dimension must be even to pack pairs")
     if q.min() < -8 or q.max() > 15:
-        raise ValueError("codes must fit in 4 bits")
+        raise ParameterError("q", "q: codes must fit in 4 bits (-8..15)")
     nibbles = (q.astype(np.int16) & 0xF).astype(np.uint8)
     return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
 

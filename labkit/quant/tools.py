@@ -16,6 +16,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from labkit.checks import ParameterError
+
 SCHEMES = ("gptq-w4a16", "awq-w4a16", "w8a8-smoothquant-gptq", "fp8-dynamic")
 
 #: Calibration text for the tiny model: what matters is that it is text, not its content.
@@ -64,7 +66,7 @@ def llmcompressor_quantize(model_dir: str | Path, out_dir: str | Path, scheme: s
                            max_seq_length: int = 64, verbose: bool = False) -> Path:
     """Quantize ``model_dir`` with an llm-compressor recipe; returns ``out_dir``."""
     if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        raise ParameterError("scheme", f"scheme must be one of {SCHEMES}, got {scheme!r}")
     with _quiet(verbose):
         return _oneshot(Path(model_dir), Path(out_dir), scheme, calibration_texts,
                         max_seq_length)

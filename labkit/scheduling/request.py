@@ -8,6 +8,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from labkit.checks import ParameterError
 from labkit.kvcache.hashing import BlockHash, BlockHasher
 
 
@@ -51,16 +52,19 @@ class Request:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: the prompt must have a token")
+            raise ParameterError("prompt_token_ids", f"prompt_token_ids of request "
+                                                     f"{self.request_id!r} must have a token")
         if self.output_plan is not None:
             if self.max_tokens not in (None, len(self.output_plan)):
-                raise ValueError(f"request {self.request_id!r}: max_tokens differs from the "
-                                 f"length of output_plan")
+                raise ParameterError("max_tokens", f"max_tokens of request {self.request_id!r} "
+                                                   f"must equal the length of output_plan")
             self.max_tokens = len(self.output_plan)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1")
+            raise ParameterError("max_tokens", f"max_tokens of request {self.request_id!r} must "
+                                               f"be an integer >= 1, got {self.max_tokens!r}")
         if self.arrival_time < 0:
-            raise ValueError(f"request {self.request_id!r}: arrival_time must be >= 0")
+            raise ParameterError("arrival_time", f"arrival_time of request {self.request_id!r} "
+                                                 f"must be >= 0, got {self.arrival_time}")
         # Copies: the caller's list may change later (a child built from its parent's tokens).
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
@@ -113,8 +117,8 @@ class Request:
             return False  # a prefill chunk: no token sampled yet
         if token_id is None:
             if self.output_plan is None:
-                raise ValueError(f"request {self.request_id!r} has no planned output: "
-                                 f"pass the sampled token_id")
+                raise ParameterError("token_id", f"token_id: request {self.request_id!r} has no "
+                                                 f"planned output: pass the sampled token_id")
             token_id = self.output_plan[self.num_output_tokens]
         return self.append_output_token(token_id, now)
 

@@ -88,7 +88,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """Raise ``ValueError`` if ``request`` could never run on this cache and budget."""
+        """Raise :class:`~labkit.hardware.DoesNotFitError` or
+        :class:`~labkit.checks.ParameterError` (``max_tokens``) if ``request`` could never run
+        on this cache and budget."""
         longest = request.prompt_len + request.max_tokens - 1  # the last token is never cached
         check_sequence_fits(longest, self.kv_cache.num_blocks, self.kv_cache.block_size,
                             f"request {request.request_id!r} ({longest} tokens of KV)",
@@ -161,7 +163,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         else:
-            raise ValueError(f"request {request.request_id!r} is not in this scheduler")
+            raise ParameterError("request", f"request {request.request_id!r} is not in this "
+                                            f"scheduler")
         if request.finish_reason is None:
             request.finish_reason = "abort"
         request.finish(now)
@@ -189,13 +192,13 @@ class Scheduler:
         shared = parent.num_computed_tokens
         can_share = parent in self.running
         if can_share and self.kv_cache.req_num_slots[parent.request_id] != shared:
-            raise ValueError(f"fork_request: request {parent.request_id!r} is in the middle of "
-                             f"a step; fork between steps")
+            raise ParameterError("parent", f"parent: request {parent.request_id!r} is in the "
+                                           f"middle of a step; fork between steps")
         if can_share and (child.num_tokens <= shared
                           or child.token_ids[:shared] != parent.token_ids[:shared]):
-            raise ValueError(f"fork_request: child {child.request_id!r} must begin with the "
-                             f"{shared} computed tokens of {parent.request_id!r} and have at "
-                             f"least one more")
+            raise ParameterError("child", f"child {child.request_id!r} must begin with the "
+                                          f"{shared} computed tokens of {parent.request_id!r} "
+                                          f"and have at least one more")
         child.set_block_hasher(self.kv_cache.block_hasher)
         if can_share and len(self.running) < self.config.max_num_seqs:
             copies = self.kv_cache.fork(parent.request_id, child.request_id, child.block_hashes)

@@ -1,8 +1,12 @@
 """A serving simulator (:ref:`ch03-simulating`).
 
-- :mod:`~labkit.simulate.workload`: gamma/Poisson arrivals, length distributions,
-  shared-prefix conversations, trace replay.
-- :class:`RooflineCost`: chapter 1's roofline as the step-cost model.
+- :mod:`~labkit.simulate.workload`: :class:`Workload`, the one record of requests to send
+  (arrival times, prompt and output lengths) and its views; gamma/Poisson arrivals, length
+  distributions, vLLM's random-dataset rule, shared-prefix conversations, trace replay.
+- :class:`RooflineCost`: chapter 1's roofline as the step-cost model;
+  :class:`~labkit.simulate.deployment.Deployment`: one replica (model, GPUs, precision, vLLM's
+  KV cache and scheduler defaults), the record chapters 5 and 6 simulate (imported on its own:
+  it brings chapter 3's tensor-parallel model).
 - :func:`simulate`: the discrete-event loop, step by step or, by default, on the fast path
   (:mod:`~labkit.simulate.fast`, the same result); :func:`summarize`: vLLM's benchmark metrics.
 """
@@ -12,10 +16,12 @@ from labkit.simulate.metrics import (BenchmarkResult, RequestLatencies, summariz
                                      summarize_latencies)
 from labkit.simulate.records import SimulationResult, StepRecord
 from labkit.simulate.simulator import simulate, sweep
-from labkit.simulate.workload import (arrival_times, load_trace, multi_turn_workload,
-                                      random_workload, sample_lengths)
+from labkit.simulate.workload import (BenchRequest, Workload, arrival_times, load_trace,
+                                      multi_turn_workload, random_dataset, random_length_bounds,
+                                      random_lengths, sample_lengths, shared_prefix_dataset)
 
-__all__ = ["BenchmarkResult", "RequestLatencies", "RooflineCost", "SimulationResult",
-           "StepCostModel", "StepRecord", "arrival_times", "load_trace", "multi_turn_workload",
-           "random_workload", "sample_lengths", "simulate", "summarize", "summarize_latencies",
-           "sweep"]
+__all__ = ["BenchRequest", "BenchmarkResult", "RequestLatencies", "RooflineCost",
+           "SimulationResult", "StepCostModel", "StepRecord", "Workload", "arrival_times",
+           "load_trace", "multi_turn_workload", "random_dataset", "random_length_bounds",
+           "random_lengths", "sample_lengths", "shared_prefix_dataset", "simulate", "summarize",
+           "summarize_latencies", "sweep"]

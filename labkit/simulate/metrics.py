@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from labkit.checks import in_range
+from labkit.checks import ParameterError, in_range
 from labkit.scheduling import Request
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -38,7 +38,7 @@ class RequestLatencies:
     @classmethod
     def of(cls, request: Request) -> RequestLatencies:
         if request.finish_time is None:
-            raise ValueError(f"request {request.request_id!r} has not finished")
+            raise ParameterError("request", f"request {request.request_id!r} has not finished")
         return cls.from_times(request.request_id, request.prompt_len, request.arrival_time,
                               request.token_times)
 
@@ -48,7 +48,8 @@ class RequestLatencies:
         """Latencies from a start time and the arrival time of every output token."""
         times = np.asarray(token_times_s)
         if times.size == 0:
-            raise ValueError(f"request {request_id!r} produced no token")
+            raise ParameterError("token_times_s", f"token_times_s: request {request_id!r} "
+                                                  f"produced no token")
         ttft = times[0] - start_s
         e2el = times[-1] - start_s
         n = len(times)
@@ -111,9 +112,10 @@ def summarize_latencies(per_request: Sequence[RequestLatencies], duration_s: flo
     in_range("duration_s", duration_s, 0, low_open=True)
     for name in slos_ms or {}:
         if name not in SLO_METRICS:
-            raise ValueError(f"SLO metric must be one of {SLO_METRICS}, got {name!r}")
+            raise ParameterError("slos_ms", f"slos_ms: SLO metric must be one of {SLO_METRICS}, "
+                                            f"got {name!r}")
     if not per_request:
-        raise ValueError("no request finished")
+        raise ParameterError("per_request", "per_request: no request finished")
 
     def stats(values) -> tuple[float, float, float]:
         values = np.asarray(values, dtype=float)

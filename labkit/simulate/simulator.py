@@ -15,6 +15,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
+from labkit.checks import ParameterError
 from labkit.scheduling import Request
 from labkit.simulate.cost import StepCostModel
 from labkit.simulate.fast import can_simulate_fast, simulate_fast
@@ -32,7 +33,7 @@ def simulate(scheduler, requests: Sequence[Request], step_cost: StepCostModel,
     for any other scheduler, the loop below runs one event at a time.
     """
     if not requests:
-        raise ValueError("requests must not be empty")
+        raise ParameterError("requests", "requests must not be empty")
     if fast and can_simulate_fast(scheduler, requests):
         return simulate_fast(scheduler, requests, step_cost, max_steps)
     order = itertools.count()

@@ -11,7 +11,7 @@ import pytest
 from test_engine_flags import vllm_parser
 
 from labkit.deploy import DeploymentSpec, docker_run, helm_values, vllm_serve_command
-from labkit.deploy.render import TUTORIAL_SERVER_ARGS, TUTORIAL_SCRIPT_PROBLEMS
+from labkit.tutorial.ch08_deploy import TUTORIAL_SERVER_ARGS, TUTORIAL_SCRIPT_PROBLEMS
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

@@ -1,8 +1,8 @@
 """Give every autodoc'd labkit function the name of the module that defines it, too.
 
-A subpackage's page documents the names its ``__all__`` exports (``labkit.cost.plan_sharing``);
+A subpackage's page documents the names its ``__all__`` exports (``labkit.sharing.plan_sharing``);
 the docstrings of the module that defines a function call it by its home name
-(``plan_sharing`` inside ``labkit.cost.sharing``). Autodoc already records that home name as
+(``plan_sharing`` inside ``labkit.sharing.instances``). Autodoc already records that home name as
 ``:canonical:`` for classes, so both spellings of a class resolve; this does the same for
 functions, so a reference by either spelling resolves and one by a name labkit does not have
 still fails the strict build.

@@ -4,7 +4,7 @@
 ``vllm-router`` (PyPI ``vllm-router``, a Rust binary wheel that runs on CPU) is the router the
 vLLM project ships for fleets of ``vllm serve`` workers. Chapter 5 starts it in front of the
 same ``labkit serve`` backends as :mod:`labkit.gateway` and compares the two. This module
-renders its command line and starts it as a :class:`~labkit.launch.ServerProcess`.
+renders its command line and starts it as a :class:`~labkit.process.ServerProcess`.
 
 What it does, read from its 0.1.17 wheel (``vllm_router/router_args.py``) and seen on
 loopback in front of ``labkit serve``:
@@ -45,7 +45,7 @@ import sys
 from collections.abc import Sequence
 
 from labkit.checks import ParameterError, in_range
-from labkit.launch import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port
 
 #: The ``--policy`` choices of vllm-router 0.1.17 (``vllm_router/router_args.py``).
 POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two",
@@ -92,7 +92,7 @@ def router_command(backends: Sequence[str], policy: str, port: int, host: str = 
 
 
 class RouterProcess(ServerProcess):
-    """A running vllm-router: a :class:`~labkit.launch.ServerProcess` (ready once its
+    """A running vllm-router: a :class:`~labkit.process.ServerProcess` (ready once its
     ``/health`` answers 200, stopped with its process group) that also knows where its
     Prometheus metrics are."""
 

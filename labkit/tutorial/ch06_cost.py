@@ -32,13 +32,15 @@ TUTORIAL_HOURS_PER_MONTH = 24 * 30
 
 def tutorial_hourly_cost(gpu_type: str, num_gpus: int) -> float:
     """``GPU_COST_PER_HOUR.get(gpu_type, 1.0) * num_gpus``: an unknown or misspelt GPU costs
-    $1.00 an hour, silently (labkit raises and names the GPUs it knows)."""
+    $1.00 an hour, silently (:func:`labkit.cost.gpu_hourly_price` raises and names the GPUs
+    it knows, and each price has its provider, pricing model, source and date)."""
     return TUTORIAL_GPU_COST_PER_HOUR.get(gpu_type, 1.0) * num_gpus
 
 
 def tutorial_monthly_cost(hourly_cost: float, utilization: float = 0.7) -> float:
     """``hourly_cost * 24 * 30 * utilization``: a reserved GPU is paid for every hour, idle
-    or not, so multiplying by utilization under-states the bill (at 0.7, by 30 %)."""
+    or not, so multiplying by utilization under-states the bill (at 0.7, by 30 %). labkit
+    bills every hour of :data:`labkit.cost.prices.HOURS_PER_MONTH` (730)."""
     return hourly_cost * TUTORIAL_HOURS_PER_MONTH * utilization
 
 
@@ -46,7 +48,8 @@ def tutorial_cost_per_million_tokens(hourly_cost: float, throughput_tokens_per_s
                                      utilization: float = 0.7) -> float:
     """``hourly_cost / 3600 / throughput * 1e6``. ``utilization`` is accepted and ignored:
     at 50 % utilization a useful token costs twice as much, and this says it costs the same.
-    One price for input and output tokens, which cost very different GPU time."""
+    One price for input and output tokens, which cost very different GPU time;
+    :func:`labkit.cost.token_cost` prices them apart from a measured throughput."""
     cost_per_sec = hourly_cost / 3600
     return cost_per_sec / throughput_tokens_per_sec * 1_000_000
 
@@ -54,7 +57,8 @@ def tutorial_cost_per_million_tokens(hourly_cost: float, throughput_tokens_per_s
 def tutorial_gpu_count(model_params_b: float, precision: str) -> int:
     """``max(1, int(params / 13))``, halved for INT4: the same count for a 24 GB and an 80 GB
     GPU, and counts like 5 that no tensor-parallel layout can use (64 heads do not split 5
-    ways). labkit sizes from chapter 1's memory math and vLLM's divisibility rules."""
+    ways). :func:`labkit.hardware.select_gpu` sizes from chapter 1's memory math and vLLM's
+    divisibility rules."""
     gpus = max(1, int(model_params_b / 13))
     if precision == "int4":
         gpus = max(1, gpus // 2)

@@ -1,19 +1,20 @@
-"""The tutorial's autoscaler, as written and fixed (:ref:`ch05-tutorial-wrong`).
+"""The tutorial's threshold rule on an injected clock (:ref:`ch05-tutorial-wrong`).
 
-:class:`TutorialAutoScaler` keeps the tutorial's thresholds and its clock: its cooldown and
-its history read the wall clock while its demo stamps samples with synthetic times, which
-the lab shows; :func:`tutorial_demo` is that demo. :class:`ThresholdPolicy` is the same rule
-on the injected clock every policy here takes.
+:class:`ThresholdRule` holds the tutorial's thresholds and cooldown, :class:`GPUMetric` its
+sample; :class:`ThresholdPolicy` applies the rule on the clock every policy here takes (the
+tutorial's own ``AutoScaler``, which reads the wall clock, is
+:class:`labkit.tutorial.ch05_autoscaling.TutorialAutoScaler`). :func:`demo_metric` is the load
+of the tutorial's demo and :func:`threshold_demo` runs it through the fixed policy.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.autoscale.observation import GPU_UTILIZATION, WAITING, Observation
 from labkit.checks import in_range, positive_int
+
 
 @dataclass(frozen=True)
 class GPUMetric:
@@ -75,86 +76,12 @@ class ThresholdRule:
         return "none", f"GPU {gpu:.0f}%, steady"
 
 
-class TutorialAutoScaler:
-    """The tutorial's ``AutoScaler`` as it behaves, bugs included (chapter 5).
-
-    Its samples carry their own timestamps, but two decisions read the wall clock,
-    ``wall_clock()`` (``time.time`` by default, as in the tutorial):
-
-    - the cooldown: ``wall_clock() - last_scale_time < cooldown``. Fed samples faster than
-      real time (a replay, a simulation, its own demo), it scales once and then stays "in
-      cooldown" for five minutes of *wall* time, whatever the samples' clock says;
-    - the history: samples older than ``wall_clock() - 300`` are dropped as they arrive, so
-      samples stamped on any other clock (a simulation starting at 0, yesterday's metrics)
-      are all thrown away and it never scales at all.
-
-    It also counts replicas itself (``current_replicas``) instead of reading them, so its
-    count drifts from the real one as soon as anything else changes the Deployment.
-    """
-
-    def __init__(self, rule: ThresholdRule | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
-        self.rule = rule or ThresholdRule()
-        self.wall_clock = wall_clock
-        self.current_replicas = self.rule.min_replicas
-        self.last_scale_time = 0.0  # the epoch: "long ago" only on the wall clock
-        self.metrics_history: list[GPUMetric] = []
-
-    def add_metric(self, metric: GPUMetric) -> None:
-        self.metrics_history.append(metric)
-        cutoff = self.wall_clock() - self.rule.history_s
-        self.metrics_history = [m for m in self.metrics_history if m.timestamp > cutoff]
-
-    def evaluate(self) -> tuple[str, int, str]:
-        """``(action, replicas, reason)``: ``scale_up``, ``scale_down`` or ``none``."""
-        if not self.metrics_history:
-            return "none", self.current_replicas, "no metrics"
-        verdict, reason = self.rule.verdict(self.metrics_history[-self.rule.window:])
-        in_cooldown = self.wall_clock() - self.last_scale_time < self.rule.cooldown_s
-        if verdict == "up" and not in_cooldown:
-            if self.current_replicas < self.rule.max_replicas:
-                self.current_replicas += 1
-                self.last_scale_time = self.wall_clock()
-                return "scale_up", self.current_replicas, reason
-        elif verdict == "down" and not in_cooldown:
-            if self.current_replicas > self.rule.min_replicas:
-                self.current_replicas -= 1
-                self.last_scale_time = self.wall_clock()
-                return "scale_down", self.current_replicas, reason
-        return "none", self.current_replicas, reason
-
-
 def demo_metric(step: int, timestamp: float) -> GPUMetric:
     """Sample ``step`` of the tutorial's demo (chapter 5): a load that climbs every step (GPU
     utilization 40 % + 3 % a step, 97 % at step 19 of its 20)."""
     return GPUMetric(timestamp, gpu_util=40 + step * 3, memory_util=50 + step * 2,
                      queue_depth=max(0, step * 5 - 30), avg_latency_ms=500 + step * 100,
                      requests_per_second=10 + step * 2)
-
-
-def tutorial_demo(steps: int = 20, interval_s: float = 10.0, start_s: float | None = None,
-                  scaler: TutorialAutoScaler | None = None) -> list[ScaleEvent]:
-    """The tutorial's demo (chapter 5): ``steps`` samples ``interval_s`` apart through its
-    autoscaler (``min_replicas=2, max_replicas=8``), returning what it would print.
-
-    With ``start_s=None`` the samples are stamped as the tutorial stamps them, in the recent
-    past of the wall clock, and the demo prints one scale-up at step 18. Stamp them on a
-    simulation clock instead (``start_s=0``) and the same autoscaler never scales. The demo's
-    load also ignores the replicas added (an open loop); :mod:`labkit.autoscale.simulate`
-    closes it.
-    """
-    positive_int("steps", steps)
-    in_range("interval_s", interval_s, 0, low_open=True)
-    scaler = scaler or TutorialAutoScaler(ThresholdRule(min_replicas=2, max_replicas=8))
-    events = []
-    for i in range(steps):
-        stamp = (scaler.wall_clock() - (steps - i) * interval_s if start_s is None
-                 else start_s + i * interval_s)
-        scaler.add_metric(demo_metric(i, stamp))
-        action, replicas, reason = scaler.evaluate()
-        if action != "none":
-            events.append(ScaleEvent(i, action, replicas, reason))
-    return events
 
 
 class ThresholdPolicy:
@@ -164,7 +91,7 @@ class ThresholdPolicy:
     own time base); "never scaled" is ``None``, not time 0 (with a clock that starts at 0,
     0 would read as "just scaled"); the current replica count is read from the observation
     instead of counted. What is left is still a weak policy: one replica per step, one
-    cooldown for both directions, and a GPU-utilization threshold (see the module notes).
+    cooldown for both directions, and a GPU-utilization threshold (:ref:`ch05-tutorial-wrong`).
     """
 
     def __init__(self, rule: ThresholdRule | None = None, sync_period_s: float = 15.0,

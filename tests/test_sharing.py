@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.checks import ParameterError
-from labkit.cost import sharing
-from labkit.cost.sharing import (SharedModel, check_fractions, instance_memory,
-                                 lora_adapter_bytes, lora_gpu_buffer_bytes, mig_profile,
-                                 mig_profiles, pack_mig, plan_sharing, smallest_mig_profile,
-                                 switch_cost, tutorial_models, tutorial_utilizations)
 from labkit.hardware import DoesNotFitError
+from labkit.sharing import (SharedModel, check_fractions, instance_memory, lora_adapter_bytes,
+                            lora_gpu_buffer_bytes, mig_profile, mig_profiles, pack_mig,
+                            plan_sharing, sharing_mechanisms, smallest_mig_profile,
+                            switch_cost)
+from labkit.tutorial.ch06_sharing import tutorial_models, tutorial_utilizations
 from labkit.units import GiB, MiB
 
 # Llama-3-8B (models.json): 32 layers, hidden 4096, 32 heads, 8 KV heads of 128, MLP 14336,
@@ -236,7 +236,7 @@ def test_smallest_profile_for_a_model():
 
 
 def test_sharing_mechanisms_are_sourced():
-    rows = {m.mechanism: m for m in sharing.sharing_mechanisms()}
+    rows = {m.mechanism: m for m in sharing_mechanisms()}
     assert set(rows) == {"time-slicing", "MPS", "MIG"}
     assert rows["MPS"].max_partitions == "48" and rows["MIG"].max_partitions == "7"
     assert rows["MIG"].fault_isolation == "yes" and rows["MPS"].memory_bandwidth_qos == "no"

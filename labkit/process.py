@@ -1,0 +1,174 @@
+"""Server processes: started in their own process group, waited for, stopped whole
+(:ref:`ch02-streaming`, chapters 5 and 8).
+
+Every server a lab, a test or a harness starts (``labkit serve``, vLLM, the gateway,
+vllm-router, Prometheus) goes through :class:`ServerProcess`: its own process group, so an
+engine's worker processes stop with it; a log file to read when it fails; readiness polled
+on the route the server answers when it can serve (``/health`` for OpenAI servers,
+``/-/ready`` for Prometheus); and, on Linux, the parent-death signal, so a killed notebook
+kernel or test run leaves no server behind. :func:`wait_until` is the one polling loop for
+"until this is true or the deadline passes".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import httpx
+
+from labkit.checks import in_range
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
+               interval_s: float = 0.2, what: str = "the condition") -> float:
+    """Poll ``predicate()`` until it is true; return the seconds waited. Raise
+    ``TimeoutError`` naming ``what`` after ``timeout_s`` (a backend's ejection takes a few
+    probes, a vLLM start a minute)."""
+    in_range("timeout_s", timeout_s, 0)
+    in_range("interval_s", interval_s, 0, low_open=True)
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what} still not true after {timeout_s:g} s")
+        time.sleep(interval_s)
+    return time.monotonic() - start
+
+
+def parent_death_hook() -> Callable[[], None] | None:
+    """``preexec_fn`` for a server started from this thread: :func:`die_with_parent` on the
+    main thread, none elsewhere. Linux sends the parent-death signal when the *thread* that
+    forked the child exits, so a server started from a worker thread (``asyncio.to_thread``,
+    a thread pool) would die with that thread; such servers are stopped by their owners."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
+
+
+def die_with_parent() -> None:
+    """In the child, before the server starts: on Linux, ask for SIGTERM when the process that
+    started it dies, so a killed notebook kernel or test run leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the whole process group ``process`` leads (it was started with
+    ``start_new_session=True``) and reap it; a group already gone is fine."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        return
+    process.wait()
+
+
+class ServerProcess:
+    """A server subprocess: started in its own process group, ready, then stopped whole.
+
+        with ServerProcess(command_for("labkit", cfg), cfg.base_url) as server:
+            ...  # server.base_url answers OpenAI requests
+
+    ``env`` adds variables to the server's environment (vLLM on CPU reads its KV-cache size
+    from one); ``ready_path`` is the route that answers 200 once it can serve.
+    :meth:`attach` wraps a server that somebody else started and will stop.
+    """
+
+    def __init__(self, command: Sequence[str], base_url: str, startup_timeout_s: float = 600,
+                 env: Mapping[str, str] | None = None, ready_path: str = "/health"):
+        self.command, self.base_url = list(command), base_url
+        self.startup_timeout_s = in_range("startup_timeout_s", startup_timeout_s, 0,
+                                          low_open=True)
+        self.env = dict(env or {})
+        self.ready_path = ready_path
+        self.process: subprocess.Popen | None = None
+        self.owned = True
+        with tempfile.NamedTemporaryFile("w", prefix="server-", suffix=".log",
+                                         delete=False) as log:
+            self.log_path = log.name
+
+    @classmethod
+    def attach(cls, base_url: str, log_path: str | None = None,
+               ready_path: str = "/health") -> ServerProcess:
+        """A ready server started elsewhere (one vLLM shared by every lab of a test run):
+        :meth:`stop` leaves it running."""
+        server = cls([], base_url, ready_path=ready_path)
+        server.owned = False
+        if log_path is not None:
+            os.unlink(server.log_path)
+            server.log_path = log_path
+        if not server.ready():
+            raise RuntimeError(f"the server at {base_url} is not ready "
+                               f"({ready_path} does not answer 200)")
+        return server
+
+    def ready(self, timeout_s: float = 2.0) -> bool:
+        """Whether ``ready_path`` answers 200 now."""
+        try:
+            return httpx.get(self.base_url + self.ready_path, timeout=timeout_s,
+                             trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self) -> ServerProcess:
+        """Start the server and wait until it is ready; a server already running is kept
+        (``with`` on a started server does not start a second one)."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, preexec_fn=parent_death_hook(),
+                                            env={**os.environ, **self.env})
+
+        def up() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            return self.ready()
+
+        try:
+            wait_until(up, self.startup_timeout_s, 0.25, what=f"{self.base_url} ready")
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"server not ready after {self.startup_timeout_s} s:\n"
+                               f"{self.log_tail()}") from None
+        return self
+
+    def stop(self, grace_s: float = 15) -> None:
+        """SIGTERM the whole process group (engines spawn workers), SIGKILL after grace."""
+        if not self.owned or self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self.process.wait()
+
+    def log_lines(self) -> list[str]:
+        with open(self.log_path, errors="replace") as f:
+            return f.readlines()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "".join(self.log_lines()[-lines:])
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
