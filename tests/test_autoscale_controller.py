@@ -161,6 +161,7 @@ def test_exit_status_in_words():
 
 # -- real processes -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_step_load_scales_one_to_three_and_back_with_no_failed_request(tiny):
     """40 users streaming for a few seconds, then none: the HPA (target 4 requests waiting
     per replica, 1 s syncs, 3 s scale-down window) takes the fleet 1 -> 3 -> 1."""
@@ -236,6 +237,7 @@ def requests_by_backend(gateway: Gateway) -> list[tuple[tuple[str, str], float]]
             if s.name.endswith("_total")]
 
 
+@pytest.mark.slow
 def test_scale_down_drains_the_open_streams_before_stopping_the_youngest(tiny):
     """Two replicas, each with streams queued (one sequence at a time, about a second
     each); the HPA asks for one. The replica that got ready last goes (the ReplicaSet's
@@ -309,6 +311,7 @@ def test_a_replica_that_dies_is_taken_out_and_replaced(tiny):
     assert all(gone(pid) for pid in pids(scaler))
 
 
+@pytest.mark.slow
 def test_a_replica_that_hangs_fails_its_liveness_probes_and_is_replaced(tiny):
     """A stopped process (SIGSTOP: alive, answering nothing) fails its /health probes; the
     third failure in a row kills it, as the kubelet kills a container failing its liveness
@@ -336,6 +339,7 @@ def test_a_replica_that_hangs_fails_its_liveness_probes_and_is_replaced(tiny):
     assert all(gone(pid) for pid in pids(scaler))
 
 
+@pytest.mark.slow
 def test_replicas_that_cannot_start_back_off_and_leave_nothing_running(tiny, tmp_path):
     """A model directory that disappears: the next replica fails to start, and the one after
     waits out the crash-loop backoff (10 s) instead of starting at the next sync. A fleet

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.book  # the strict build of the whole book
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 

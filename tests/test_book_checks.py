@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.book  # a small book built per test
+
 BOOK = Path(__file__).resolve().parents[1] / "book"
 JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
 

@@ -264,6 +264,7 @@ def refusal(server: ServerProcess) -> re.Match:
     return match
 
 
+@pytest.mark.slow
 def test_second_server_refused_when_the_device_is_taken_and_served_when_it_fits(
         tiny, device_dir):
     ledger = SimulatedDevice("gpu0", TOTAL)
@@ -286,6 +287,7 @@ def test_second_server_refused_when_the_device_is_taken_and_served_when_it_fits(
     assert_gone(first, too_big, fits)
 
 
+@pytest.mark.slow
 def test_sigkill_frees_the_device(tiny, device_dir):
     ledger = SimulatedDevice("gpu0", TOTAL)
     victim, waiting = serve(tiny, 0.5), serve(tiny, 0.6)
@@ -309,6 +311,7 @@ def timed(call):
     return response, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_switching_models_with_sleep_mode(tiny, device_dir):
     ledger = SimulatedDevice("gpu0", TOTAL)
     a, b = serve(tiny, 0.5, sleep_mode=True, name="a"), serve(tiny, 0.6, name="b")
@@ -364,6 +367,7 @@ def test_switching_models_with_sleep_mode(tiny, device_dir):
     print({k: f"{v * 1000:.1f} ms" for k, v in latencies.items()})
 
 
+@pytest.mark.slow
 def test_sleep_routes_need_dev_mode_and_sleep_mode(tiny, device_dir):
     plain = serve(tiny, 0.5)
     try:

@@ -45,6 +45,7 @@ def test_rejected_flags_recorded_verdict():
 
 
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM CPU environment (make vllm-env)")
+@pytest.mark.real_engine  # vLLM CPU
 def test_the_recorded_verdict_is_vllms():
     removed = sorted(ex.REMOVED_IN_VLLM_0_32)
     lines = [TUTORIAL_SERVER_ARGS, ex.EXERCISE_LINE,

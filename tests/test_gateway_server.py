@@ -535,6 +535,7 @@ def test_admin_add_drain_and_remove(tiny, backends):
                               status="200") == 2
 
 
+@pytest.mark.slow
 def test_load_with_a_backend_killed_mid_stream_and_restarted(tiny, backends):
     """The load test in small: 60 streamed requests over three backends; the third, a
     ``labkit serve`` process, is killed (SIGKILL) while it streams and restarted later."""

@@ -85,6 +85,7 @@ def test_max_concurrency_by_hand():
 
 
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM CPU environment (make vllm-env)")
+@pytest.mark.real_engine  # vLLM CPU
 def test_max_concurrency_is_vllms_rule_and_log_line():
     out = subprocess.run([VLLM_PYTHON, "-c", _VLLM_CAPACITY, json.dumps(CASES)],
                          capture_output=True, text=True, check=True, timeout=120).stdout

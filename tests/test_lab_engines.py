@@ -13,7 +13,8 @@ from labkit.harness.lab_engines import (LAB_SERVER_DEFAULTS, benchmark_variants,
                                         decode_step_s, kv_cache_predicted, kv_cache_reported,
                                         lab_server_command, lab_server_env,
                                         max_tensor_parallel_size, offline_api, read_kv_cache_line,
-                                        served_model_spec, start_lab_server, vllm_python)
+                                        lab_model, served_model_spec, start_lab_server,
+                                        vllm_python)
 from labkit.lab import LabPath
 from labkit.launch import ServeConfig, labkit_command
 
@@ -119,6 +120,31 @@ def test_the_server_a_lab_runs_on_each_path(tmp_path):
     assert err.value.param == "tensor_parallel_size"
 
 
+def test_the_tiny_model_is_written_once_and_never_seen_half_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE", str(tmp_path))
+    written = []
+
+    def racing_writer(path):
+        # Another process finishes first: its copy lands at the target while ours is written.
+        if not written:
+            write_tiny_model(tmp_path / "tiny-llama")
+        written.append(path)
+        return write_tiny_model(path)
+
+    monkeypatch.setattr("labkit.harness.lab_engines.write_tiny_model", racing_writer)
+    model = lab_model("vllm", TEACHING)
+    assert model == str(tmp_path / "tiny-llama") and len(written) == 1
+    assert written[0].parent == tmp_path and written[0] != tmp_path / "tiny-llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]  # ours cleaned up
+    assert lab_model("vllm", TEACHING) == model and len(written) == 1  # reused, not rewritten
+    (tmp_path / "tiny-llama" / "model.safetensors").unlink()
+    (tmp_path / "tiny-llama" / "config.json").write_text("{}")
+    with pytest.raises(ParameterError, match="incomplete") as err:
+        lab_model("vllm", TEACHING)
+    assert err.value.param == "LABKIT_CACHE"
+
+
+@pytest.mark.slow
 def test_variants_one_server_at_a_time_and_decode_step(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path))
     requests = random_dataset(6, input_len=20, output_len=4, seed=0)

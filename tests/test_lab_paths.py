@@ -13,6 +13,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.lab  # whole labs, on the teaching engine
+
 LABS = Path(__file__).resolve().parent.parent / "labs"
 ENGINE_LABS = ["02_offline_inference.ipynb", "02_openai_server.ipynb",
                "02_benchmark_serving.ipynb", "gpu/vllm_deploy_benchmark.ipynb",

@@ -67,6 +67,7 @@ def test_a_rule_the_script_never_fires_is_refused():
 
 
 @needs_promtool
+@pytest.mark.real_engine
 def test_promtool_accepts_config_rules_and_their_unit_tests(tmp_path):
     rules = rules_file(chapter_rules())
     config = scrape_config(["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
@@ -90,6 +91,7 @@ def test_prometheus_durations_by_hand():
 
 
 @needs_promtool
+@pytest.mark.real_engine
 def test_promtool_reads_every_duration_form(tmp_path):
     # Prometheus' own parser takes the config's intervals and a rule's for: and window.
     config = scrape_config(["http://127.0.0.1:8001"], scrape_interval_s=1.5,
@@ -104,6 +106,7 @@ def test_promtool_reads_every_duration_form(tmp_path):
 
 
 @needs_promtool
+@pytest.mark.real_engine
 def test_promtool_catches_a_wrong_expectation():
     """The unit tests can fail: claim an alert one step early and promtool says so."""
     tests = rule_tests(chapter_rules(), overload_script())
@@ -116,6 +119,7 @@ def test_promtool_catches_a_wrong_expectation():
 
 
 @needs_promtool
+@pytest.mark.real_engine
 def test_promtool_rejects_a_broken_rule():
     broken = rules_file(chapter_rules())
     broken["groups"][0]["rules"][0]["expr"] = "rate(vllm:num_preemptions_total[5m]"
@@ -142,6 +146,7 @@ def test_dashboard_follows_grafanas_json_model():
 
 
 @needs_promtool
+@pytest.mark.real_engine
 def test_every_dashboard_expression_parses():
     queries = panel_queries(dashboard())
     out = promtool(["check", "rules"], {"dashboard.yml": recording_rules(queries)})

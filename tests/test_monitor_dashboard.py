@@ -132,6 +132,7 @@ def server(tmp_path_factory):
         yield base
 
 
+@pytest.mark.slow
 def test_live_dashboard_on_a_real_server_under_scripted_load(server):
     """Four requests in flight on a server that runs two: the dashboard, refreshed while
     the load runs, sees requests running and waiting and tokens flowing; afterwards the

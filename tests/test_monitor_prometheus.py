@@ -25,6 +25,8 @@ from labkit.monitor.prometheus import PROMETHEUS_ENV, PrometheusServer, promethe
 from labkit.monitor.promql import UnsupportedQuery, evaluate
 from labkit.monitor.series import SeriesStore
 
+pytestmark = pytest.mark.real_engine  # the real Prometheus
+
 needs_prometheus = pytest.mark.skipif(
     prometheus_binary() is None,
     reason="prometheus is not installed (make prometheus, or apt-get install prometheus), "

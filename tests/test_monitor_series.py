@@ -176,6 +176,7 @@ tests:
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="Prometheus' promtool is not installed (Debian package "
                            "'prometheus'; the Makefile decides where it is installed)")
+@pytest.mark.real_engine  # promtool
 def test_prometheus_computes_the_same_numbers(tmp_path):
     store = SeriesStore()
     for k in range(7):

@@ -11,6 +11,8 @@ from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight  # noqa: E402
 
+pytestmark = pytest.mark.real_engine  # llm-compressor
+
 GROUP = 128
 
 

@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
 
+pytestmark = pytest.mark.real_engine  # llm-compressor and AutoAWQ
+
 SCHEMES = ("gptq-w4a16", "awq-w4a16", "w8a8-smoothquant-gptq", "fp8-dynamic")
 
 

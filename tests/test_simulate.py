@@ -206,6 +206,7 @@ _RANDOM_CASES = [(50, 1024, 128, 0.0, 0), (50, 1024, 128, 0.1, 1), (50, 512, 128
 
 
 @pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM CPU environment (make vllm-env)")
+@pytest.mark.real_engine  # vLLM CPU
 def test_random_dataset_is_vllms_sampler():
     run = subprocess.run([VLLM_PYTHON, "-c", _VLLM_RANDOM, json.dumps(_RANDOM_CASES)],
                          capture_output=True, text=True, check=True, timeout=300)

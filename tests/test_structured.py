@@ -418,6 +418,7 @@ _VOCAB = ["", "}", "]", '"', ",", ":", " ", "{", "[", "0", "1", "-", ".", "e", "
 
 @settings(max_examples=300, deadline=None)
 @given(st.data(), SCHEMAS)
+@pytest.mark.slow
 def test_every_walk_the_mask_allows_ends_in_valid_json(data, schema):
     """Sample like the engine does, one allowed token at a time: what ends is valid."""
     constraint = RegexConstraint(json_schema_to_regex(schema), _VOCAB, eos_token_id=0)

@@ -148,6 +148,7 @@ def test_rank_lines_from_a_tensor_parallel_log():
         "Worker_TP0: Explicitly set (1.0/23.54) GiB for KV cache"]
 
 
+@pytest.mark.real_engine  # vLLM CPU
 def test_vllms_own_parser_reads_the_multi_node_command():
     python = detect().vllm_cpu_python
     if python is None:

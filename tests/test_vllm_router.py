@@ -23,6 +23,8 @@ from labkit.process import ServerProcess, free_port
 
 router_args = pytest.importorskip("vllm_router.router_args")
 
+pytestmark = pytest.mark.real_engine  # the vllm-router binary
+
 MODEL = "tiny"
 # A prompt prefix long enough that a prompt sharing it matches well over cache_aware's
 # threshold (0.3 of the prompt's tokens).

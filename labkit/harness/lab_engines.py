@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -53,14 +55,25 @@ def lab_model(engine: str, path: LabPath | None = None) -> str:
     """The model a lab serves (chapter 2): a real one on the GPU path, the tiny local one on
     the CPU paths (real vLLM on CPU serves it too: nothing is downloaded).
 
-    The tiny model is written once to ``$LABKIT_CACHE`` (default ``~/.cache/labkit``).
+    The tiny model is written once to ``$LABKIT_CACHE`` (default ``~/.cache/labkit``): aside,
+    then renamed into place, since two processes may ask at once (two labs open, two test
+    workers) and neither may load a half-written checkpoint.
     """
     if (path or detect()).runs(engine) == "gpu":
         return os.environ.get("LABKIT_GPU_MODEL", DEFAULT_GPU_MODEL)
     cache = Path(os.environ.get("LABKIT_CACHE", Path.home() / ".cache" / "labkit"))
     target = cache / "tiny-llama"
     if not (target / "model.safetensors").is_file():
-        write_tiny_model(target)
+        cache.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=cache))
+        write_tiny_model(scratch)
+        try:
+            scratch.rename(target)
+        except OSError:  # another process renamed its copy into place first
+            shutil.rmtree(scratch, ignore_errors=True)
+        if not (target / "model.safetensors").is_file():
+            raise ParameterError("LABKIT_CACHE", f"LABKIT_CACHE: {target} holds an incomplete "
+                                                 "tiny model; delete that folder")
     return str(target)
 
 

@@ -207,15 +207,18 @@ def ttft_p99_above(threshold_s: float, *, window_s: float = 300.0, for_s: float 
         for_s=for_s, summary=f"p{quantile * 100:g} TTFT above {threshold_s:g} s")
 
 
-def waiting_queue_above(threshold: float, *, for_s: float = 0.0) -> AlertRule:
+def waiting_queue_above(threshold: float, *, for_s: float = 0.0,
+                        keep_firing_for_s: float = 0.0) -> AlertRule:
     """More than ``threshold`` requests waiting to be scheduled, sustained for ``for_s``
-    seconds (chapter 8): the server is past its capacity, not just busy."""
+    seconds (chapter 8): the server is past its capacity, not just busy. Once firing, it
+    stays so until the queue has been short for ``keep_firing_for_s`` seconds, so that one
+    late scrape or one dip does not resolve it and page again a moment later."""
     in_range("threshold", threshold, 0)
     name = "vllm:num_requests_waiting"
     return AlertRule(
         "VllmQueueSustained",
         lambda store, at_s: _above(latest_values(store, name, at_s), threshold),
-        f"{name} > {threshold:g}", for_s=for_s,
+        f"{name} > {threshold:g}", for_s=for_s, keep_firing_for_s=keep_firing_for_s,
         summary=f"more than {threshold:g} requests waiting")
 
 
