@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit import stacks
 from labkit.lab import LabPath, detect
+from labkit.process import free_port
 
 @dataclass(frozen=True)
 class LabNeeds:
@@ -110,15 +110,6 @@ def _module_present(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _free_loopback_port() -> int | None:
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    except OSError:
-        return None
-
-
 def _available_memory_gb() -> float | None:
     """MemAvailable from /proc/meminfo (Linux), in GB; ``None`` where it cannot be read."""
     try:
@@ -178,7 +169,10 @@ def run_checks(path: LabPath | None = None, root: Path | None = None) -> Report:
                             f"not installed: installs on first use (~{stack.size_mb} MB)",
                             stack_fix(name), required=False, first_use=True))
 
-    port = _free_loopback_port()
+    try:
+        port = free_port()
+    except OSError:  # no loopback sockets here
+        port = None
     checks.append(Check("loopback port", port is not None,
                         f"can listen on 127.0.0.1:{port}" if port else "cannot bind 127.0.0.1",
                         "the labs start servers on 127.0.0.1: allow loopback sockets"))

@@ -67,14 +67,28 @@ def die_with_parent() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid`` (a server started with
+    ``start_new_session=True`` leads its own, so its pid is its group's id); False when the
+    group is gone already, which is no error: it may exit on its own meanwhile. Signal 0
+    sends nothing and only asks whether the group still exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (signal 0)."""
+    return signal_group(pgid, 0)
+
+
 def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to the whole process group ``process`` leads (it was started with
     ``start_new_session=True``) and reap it; a group already gone is fine."""
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        return
-    process.wait()
+    if signal_group(process.pid, sig):
+        process.wait()
 
 
 class ServerProcess:

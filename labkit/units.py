@@ -16,16 +16,6 @@ GiB = 2**30
 MiB = 2**20
 
 
-def to_gib(num_bytes: float) -> float:
-    """Bytes to GiB (2**30 bytes)."""
-    return num_bytes / GiB
-
-
-def to_gb(num_bytes: float) -> float:
-    """Bytes to GB (10**9 bytes)."""
-    return num_bytes / GB
-
-
 def cdiv(a: int, b: int) -> int:
     """Ceiling of ``a / b`` for integers: e.g. blocks needed for ``a`` tokens of ``b`` each.
 

@@ -1,6 +1,9 @@
 """Launch commands, the server process manager, and the benchmark harness end to end."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +15,7 @@ from labkit.lab import ENGINE_PACKAGES
 from labkit.launch import (COMMANDS, ServeConfig, command_for, labkit_command,
                            multi_node_commands, sglang_command, trtllm_build_commands,
                            trtllm_command, trtllm_kv_fraction, vllm_command)
-from labkit.process import ServerProcess
+from labkit.process import ServerProcess, group_alive, kill_group, signal_group
 
 CFG = ServeConfig(model="meta-llama/Meta-Llama-3-70B-Instruct", served_model_name="llama-70b",
                   tensor_parallel_size=4, gpu_memory_utilization=0.9, max_model_len=8192,
@@ -175,3 +178,19 @@ def test_trtllm_kv_fraction_matches_vllms_cache_by_hand():
         trtllm_kv_fraction(0.9, 0, 0)
     with pytest.raises(ValueError, match="kv_cache_free_gpu_memory_fraction must be in"):
         trtllm_command(CFG, kv_cache_free_gpu_memory_fraction=1.5)
+
+
+def test_a_process_group_is_signalled_asked_after_and_gone_is_no_error():
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=True)
+    try:
+        assert group_alive(leader.pid)
+        assert signal_group(leader.pid, signal.SIGKILL) is True
+        leader.wait(timeout=10)
+        assert not group_alive(leader.pid)
+        assert signal_group(leader.pid, signal.SIGTERM) is False  # gone: no ProcessLookupError
+        kill_group(leader)  # and the same for a group already reaped
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()

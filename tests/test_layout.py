@@ -1,4 +1,4 @@
-"""labkit's shape, checked: the floors of DESIGN.md hold (import-linter), a planted upward
+"""labkit's shape, checked: the floors of CONTRIBUTING.md hold (import-linter), a planted upward
 import breaks them, no module outgrows one sitting, and every error names its parameter."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LABKIT = ROOT / "labkit"
-#: DEVELOPERS.md: "A module holds one idea (about 400 lines of code at most)".
+#: CONTRIBUTING.md: "A module holds one idea, 400 lines of code at most".
 MAX_LINES_OF_CODE = 400
 
 
@@ -28,6 +29,42 @@ def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     return subprocess.run([str(command), "--no-cache"], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def readme_floors() -> list[set[str]]:
+    """The floors of the README's layout, lowest first: the modules of each line under
+    ``labkit/`` (a line that starts with two spaces and a name; wrapped text starts with more)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("```\nlabkit/", 1)[1].split("```", 1)[0]
+    floors = []
+    for line in block.splitlines()[1:]:
+        if not line.startswith("  ") or line.startswith("   "):
+            continue
+        names = re.split(r"\s{2,}", line.strip())[0]
+        floors.append({name.strip().rstrip("/") for name in names.split(",")})
+    return floors
+
+
+def contract_floors() -> list[set[str]]:
+    """The floors of pyproject.toml's import-linter contract, lowest first."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        contract = tomllib.load(f)["tool"]["importlinter"]["contracts"][0]
+    return [set(re.split(r"\s*[:|]\s*", layer.strip())) for layer in reversed(contract["layers"])]
+
+
+def test_the_readme_and_contributing_show_the_contracts_floors():
+    assert readme_floors() == contract_floors()
+    assert len(contract_floors()) == 10
+    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    assert "`|` separates modules of a floor that must not" in contributing.replace("\n", " ")
+
+
+def test_the_project_cites_only_files_it_has():
+    for path in [ROOT / "pyproject.toml", *ROOT.glob("labkit/**/*.py"), *ROOT.glob("tests/*.py")]:
+        text = path.read_text(encoding="utf-8")
+        for name in ("DESIGN.md", "DEVELOPERS.md"):
+            assert name not in text or path.name == "test_layout.py", (path, name)
 
 
 def test_the_floors_hold():

@@ -35,7 +35,6 @@ removed are no longer counted, as the HPA ignores pods with a deletion timestamp
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -64,7 +63,7 @@ from labkit.gateway.config import (
 )
 from labkit.http.urls import normalize_url
 from labkit.launch import ServeConfig, labkit_command
-from labkit.process import ServerProcess, free_port, wait_until
+from labkit.process import ServerProcess, free_port, signal_group, wait_until
 
 # A replica's phase, in the words of ``kubectl get pods``.
 STARTING = "starting"        # process started, not yet healthy and added to the gateway
@@ -406,8 +405,7 @@ class ProcessAutoscaler:
         if replica.probe_failures == LIVENESS_FAILURE_THRESHOLD:
             self._record(replica, "unhealthy", f"{LIVENESS_FAILURE_THRESHOLD} failed /health "
                                                "probes in a row: killed")
-            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
-                os.killpg(replica.server.process.pid, signal.SIGKILL)  # it leads its group
+            signal_group(replica.server.process.pid, signal.SIGKILL)
         return healthy
 
     def _scrape(self, replica: _Replica) -> dict[str, float]:
@@ -455,8 +453,7 @@ class ProcessAutoscaler:
         replica.stop.set()
         process = replica.server.process
         if not replica.adding and process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
-                os.killpg(os.getpgid(process.pid), signal.SIGTERM)
+            signal_group(process.pid, signal.SIGTERM)
 
     def _notice_deaths(self) -> None:
         for replica in self._replicas:

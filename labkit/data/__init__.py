@@ -1,8 +1,8 @@
 """The package's data tables, read in one place (every chapter).
 
 Each table is a CSV or JSON file beside this module, one row per item with its ``source`` and
-``as_of`` date (``DESIGN.md``, "Conventions"). Readers here return plain rows; the module that
-owns a table turns its rows into records.
+``as_of`` date (``CONTRIBUTING.md``, "One home per idea"). Readers here return plain rows; the
+module that owns a table turns its rows into records.
 """
 
 from __future__ import annotations

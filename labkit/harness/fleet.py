@@ -9,15 +9,13 @@ gateway in front (:func:`start_gateway`, a ``labkit gateway`` process; vllm-rout
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from collections.abc import Sequence
 
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.gateway.routing import STRATEGIES
 from labkit.launch import ServeConfig, command_for
-from labkit.process import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port, kill_group
 
 
 class BackendFleet:
@@ -80,9 +78,7 @@ class BackendFleet:
         """Crash backend ``i``: SIGKILL to its process group, as the OOM killer would."""
         if not self.alive(i):
             raise ParameterError("i", f"backend {i} is not running")
-        process = self.servers[i].process
-        os.killpg(os.getpgid(process.pid), signal.SIGKILL)
-        process.wait()
+        kill_group(self.servers[i].process)
 
     def restart(self, i: int) -> None:
         """Start backend ``i`` again on its port (with empty caches and counters at 0) and

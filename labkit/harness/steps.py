@@ -12,7 +12,6 @@ timeline lines up with the autoscaler's ``history`` and ``events``.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from labkit.autoscale.observation import Policy
 from labkit.checks import in_range, positive_int
 from labkit.http.client import StreamResult, client_pool, stream_completion
 from labkit.launch import ServeConfig
-from labkit.process import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port, group_alive
 
 
 def empty_gateway_command(port: int, strategy: str = "least_requests") -> list[str]:
@@ -84,21 +83,13 @@ class AutoscaledFleet:
         pids = {e.pid for e in self.scaler.events if e.pid is not None}
         if self.gateway.process is not None:
             pids.add(self.gateway.process.pid)
-        return not any(_group_alive(pid) for pid in pids)
+        return not any(group_alive(pid) for pid in pids)
 
     def __enter__(self) -> AutoscaledFleet:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _group_alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)  # each server leads its own process group
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)

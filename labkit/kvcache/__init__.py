@@ -11,11 +11,11 @@
 
 from labkit.kvcache.accounting import MemoryWaste, memory_waste
 from labkit.kvcache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from labkit.kvcache.hashing import BlockHash, BlockHasher, hash_block_tokens, hash_request_blocks
+from labkit.kvcache.hashing import BlockHash, BlockHasher, hash_request_blocks
 from labkit.kvcache.manager import KVCacheManager
 from labkit.kvcache.radix import RadixCache
 from labkit.kvcache.replay import HitRates, prefix_hit_rates
 
 __all__ = ["BlockHash", "BlockHasher", "BlockPool", "FreeBlockQueue", "HitRates", "KVCacheBlock",
-           "KVCacheManager", "MemoryWaste", "RadixCache", "hash_block_tokens",
-           "hash_request_blocks", "memory_waste", "prefix_hit_rates"]
+           "KVCacheManager", "MemoryWaste", "RadixCache", "hash_request_blocks", "memory_waste",
+           "prefix_hit_rates"]

@@ -42,14 +42,6 @@ class BlockHash(NamedTuple):
 _new_block_hash = tuple.__new__
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
-                      hash_fn: HashFn = hash) -> BlockHash:
-    """The hash of one full block, chained to its parent's (``None`` for a first block)."""
-    parent_value = parent.value if parent is not None else None
-    tokens = tuple(token_ids)
-    return _new_block_hash(BlockHash, (hash_fn((parent_value, tokens)), tokens))
-
-
 @dataclass(frozen=True)
 class BlockHasher:
     """Hashes the full blocks of a growing sequence, each block once (vLLM's block hasher).

@@ -21,15 +21,14 @@ timestamp), a histogram ``h`` as ``h_bucket{le=...}``, ``h_sum``, ``h_count``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError
+from labkit.data import read_json
 
 #: Series every Prometheus scrape adds to each target (Prometheus docs, "Jobs and
 #: instances": ``up``, ``scrape_duration_seconds``, ``scrape_samples_scraped``,
@@ -85,8 +84,7 @@ class Reference:
 @lru_cache(maxsize=1)
 def load_reference() -> Reference:
     """vLLM 0.32.0's metrics from ``labkit/data/vllm_metrics.json`` (chapter 8)."""
-    text = resources.files("labkit.data").joinpath("vllm_metrics.json").read_text("utf-8")
-    data = json.loads(text)
+    data = read_json("vllm_metrics.json")
     metrics = {row["name"]: MetricSpec(row["name"], row["type"],
                                        None if row["labels"] is None else tuple(row["labels"]),
                                        row.get("buckets"), row.get("condition"))
@@ -161,6 +159,9 @@ def check_exposition(text: str, *, max_model_len: int | None = None,
     ``max_model_len``; without it, any 1-2-5 series is accepted.
     """
     ref = reference or load_reference()
+    # prometheus_client's parser, not labkit.http.metrics: conformance needs whole families
+    # (each one's TYPE, its label names and a histogram's bucket edges), where the gateway
+    # and the monitors need only the samples' values.
     try:
         families = {f.name: f for f in text_string_to_metric_families(text)}
     except ValueError as error:
