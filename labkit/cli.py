@@ -2,7 +2,7 @@
 
     labkit serve MODEL_DIR [vLLM's flags]   an OpenAI-compatible server for the teaching engine
     labkit tiny-model PATH                  write a tiny random Llama with a real tokenizer
-    labkit gateway --backend URL ...        a streaming gateway in front of servers (chapter 5)
+    labkit gateway [--backend URL ...]      a streaming gateway in front of servers (chapter 5)
 """
 
 from __future__ import annotations
@@ -22,13 +22,24 @@ def gateway_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("gateway", help="an OpenAI-compatible gateway in front of "
                                               "several servers")
-    p.add_argument("--backend", action="append", required=True, metavar="URL",
-                   help="a backend server's base URL, e.g. http://127.0.0.1:8001 (repeat)")
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a backend server's base URL, e.g. http://127.0.0.1:8001 (repeat); "
+                        "none: start empty and add them with POST /add_worker, as an "
+                        "autoscaler does")
     p.add_argument("--strategy", choices=STRATEGIES, default="endpoint_picker")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and the admin routes")
+    p.add_argument("--open-admin-routes", action="store_true",
+                   help="serve the admin routes without --api-key on a non-loopback --host "
+                        "(anyone who reaches the gateway can then add a backend)")
+    p.add_argument("--first-byte-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a streamed attempt waits for its first event before the "
+                        "request goes to another backend (default 60)")
+    p.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a relayed stream may go without a byte before it is cut "
+                        "with an error event (default 10)")
     p.add_argument("--session-header", default="x-session-id",
                    help="header whose value keys consistent_hash routing")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's randomness")
@@ -63,10 +74,15 @@ def gateway(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from labkit.gateway import Gateway, GatewayConfig
+    from labkit.gateway.config import check_exposure
 
+    timeouts = {name: value for name, value in (
+        ("first_byte_timeout_s", ns.first_byte_timeout),
+        ("stream_idle_timeout_s", ns.stream_idle_timeout)) if value is not None}
     try:
+        check_exposure(ns.host, ns.api_key, ns.open_admin_routes)
         config = GatewayConfig(ns.strategy, seed=ns.seed, session_header=ns.session_header,
-                               api_key=ns.api_key)
+                               api_key=ns.api_key, **timeouts)
         app = Gateway(ns.backend, config).app
     except ValueError as err:
         print(f"labkit gateway: {err}", file=sys.stderr)

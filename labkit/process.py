@@ -7,11 +7,13 @@ engine's worker processes stop with it; a log file to read when it fails; readin
 on the route the server answers when it can serve (``/health`` for OpenAI servers,
 ``/-/ready`` for Prometheus); and, on Linux, the parent-death signal, so a killed notebook
 kernel or test run leaves no server behind. :func:`wait_until` is the one polling loop for
-"until this is true or the deadline passes".
+"until this is true or the deadline passes"; :func:`exit_on_sigterm` lets a script that
+started servers stop them when it is told to stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import httpx
 
@@ -49,12 +51,15 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
     return time.monotonic() - start
 
 
-def parent_death_hook() -> Callable[[], None] | None:
+def parent_death_hook(thread_outlives_child: bool = False) -> Callable[[], None] | None:
     """``preexec_fn`` for a server started from this thread: :func:`die_with_parent` on the
-    main thread, none elsewhere. Linux sends the parent-death signal when the *thread* that
-    forked the child exits, so a server started from a worker thread (``asyncio.to_thread``,
-    a thread pool) would die with that thread; such servers are stopped by their owners."""
-    return die_with_parent if threading.current_thread() is threading.main_thread() else None
+    main thread, or on any thread that ``thread_outlives_child`` (it lives as long as the
+    server: the autoscaler's replica threads do); none elsewhere. Linux sends the
+    parent-death signal when the *thread* that forked the child exits, so a server started
+    from a short-lived worker thread (``asyncio.to_thread``, a thread pool) would die with
+    that thread; such servers are stopped by their owners."""
+    on_main = threading.current_thread() is threading.main_thread()
+    return die_with_parent if on_main or thread_outlives_child else None
 
 
 def die_with_parent() -> None:
@@ -84,6 +89,23 @@ def group_alive(pgid: int) -> bool:
     return signal_group(pgid, 0)
 
 
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM (what ``kill``, systemd and Kubernetes send) raises
+    ``SystemExit(128 + 15)`` in the main thread, as Ctrl-C raises ``KeyboardInterrupt``: the
+    ``with`` blocks inside unwind and stop what they started (an autoscaler drains and stops
+    its replicas), where Python's default would end the process on the spot. The previous
+    handler comes back on exit. Call it from the main thread."""
+    def stop(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to the whole process group ``process`` leads (it was started with
     ``start_new_session=True``) and reap it; a group already gone is fine."""
@@ -98,13 +120,17 @@ class ServerProcess:
             ...  # server.base_url answers OpenAI requests
 
     ``env`` adds variables to the server's environment (vLLM on CPU reads its KV-cache size
-    from one); ``ready_path`` is the route that answers 200 once it can serve.
+    from one); ``ready_path`` is the route that answers 200 once it can serve. The server
+    dies with this process (:func:`die_with_parent`) when it is started from the main
+    thread, or from a thread that lives as long as it does (``thread_outlives_server``).
     :meth:`attach` wraps a server that somebody else started and will stop.
     """
 
     def __init__(self, command: Sequence[str], base_url: str, startup_timeout_s: float = 600,
-                 env: Mapping[str, str] | None = None, ready_path: str = "/health"):
+                 env: Mapping[str, str] | None = None, ready_path: str = "/health",
+                 thread_outlives_server: bool = False):
         self.command, self.base_url = list(command), base_url
+        self.thread_outlives_server = thread_outlives_server
         self.startup_timeout_s = in_range("startup_timeout_s", startup_timeout_s, 0,
                                           low_open=True)
         self.env = dict(env or {})
@@ -145,7 +171,9 @@ class ServerProcess:
             return self
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=parent_death_hook(),
+                                            start_new_session=True,
+                                            preexec_fn=parent_death_hook(
+                                                self.thread_outlives_server),
                                             env={**os.environ, **self.env})
 
         def up() -> bool:

@@ -1,33 +1,18 @@
 """Helpers the tests share: servers run in this process on a free loopback port. The suite's
 configuration (time limits, tiers, order, the shared vLLM server) is ../conftest.py."""
 import contextlib
-import threading
 
 import matplotlib
 
 matplotlib.use("Agg")
 
 
-@contextlib.contextmanager
 def serve_asgi(app):
-    """Serve any ASGI app (lifespan included) with uvicorn on a free loopback port, in a
-    thread; yields the base URL and stops the server on exit."""
-    import uvicorn
+    """Serve any ASGI app (lifespan included) on a free loopback port, in a thread; yields the
+    base URL and stops the server on exit (:func:`labkit.harness.asgi.serve_in_thread`)."""
+    from labkit.harness.asgi import serve_in_thread as serve_app
 
-    from labkit.process import free_port, wait_until
-
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 30, 0.02, what="the test server started")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serve_app(app)
 
 
 @contextlib.contextmanager
@@ -54,3 +39,31 @@ def serve_tiny_model(model_dir, served_model_name="tiny", **engine_args):
                             served_model_name=served_model_name)
     with serve_in_thread(engine) as base:
         yield base, engine
+
+
+# The program ``paced`` runs: ``labkit`` with every forward pass of the teaching model made to
+# take at least argv[1] seconds.
+_PACED_LABKIT = """
+import sys, time
+from labkit import cli
+from labkit.engine.model import LlamaModel
+
+step_s, forward = float(sys.argv[1]), LlamaModel.forward
+
+def paced(self, *args, **kwargs):
+    time.sleep(step_s)
+    return forward(self, *args, **kwargs)
+
+LlamaModel.forward = paced
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def paced(command: list[str], step_s: float) -> list[str]:
+    """A ``python -m labkit.cli ...`` command whose model takes at least ``step_s`` seconds a
+    forward pass: a stream of n tokens then lasts n * step_s or more on any machine, so a
+    test that acts while it streams (kills its backend, puts its server to sleep) finds it
+    still running however fast the machine is."""
+    if command[1:3] != ["-m", "labkit.cli"]:
+        raise ValueError(f"not a labkit command: {command[:3]}")
+    return [command[0], "-c", _PACED_LABKIT, str(step_s), *command[3:]]

@@ -327,9 +327,16 @@ def test_the_script_starts_waits_for_health_and_stops_the_server(tmp_path):
         assert httpx.get(base + "/v1/models", timeout=5).status_code == 401
         assert httpx.get(base + "/v1/models", timeout=5,
                          headers={"Authorization": "Bearer test-key"}).status_code == 200
-        time.sleep(1.5)  # the script's own health check runs once a second
+        # Stopped once the script's own health check has passed (it prints "healthy: URL";
+        # a script that never gets there exits at its startup timeout, ending the read).
+        lines = []
+        for line in script.stderr:
+            lines.append(line)
+            if line.startswith("healthy:"):
+                break
         script.send_signal(signal.SIGTERM)
-        _, stderr = script.communicate(timeout=30)
+        _, rest = script.communicate(timeout=30)
+        stderr = "".join(lines) + rest
     finally:
         if script.poll() is None:
             os.killpg(script.pid, signal.SIGKILL)

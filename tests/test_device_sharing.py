@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from conftest import paced
 
 from labkit.checks import ParameterError
 from labkit.engine import LLM, EngineArgs, LLMEngine, SamplingParams, write_tiny_model
@@ -231,13 +232,15 @@ def test_sleep_needs_sleep_mode_and_a_level(tiny, device_dir):
 
 # -- real servers ----------------------------------------------------------------------------
 
-def serve(tiny, util, *, sleep_mode=False, name="tiny"):
+def serve(tiny, util, *, sleep_mode=False, name="tiny", step_s=0.0):
     port = free_port()
     command = [sys.executable, "-m", "labkit.cli", "serve", tiny, "--port", str(port),
                "--served-model-name", name, "--max-model-len", "256", "--device-id", "gpu0",
                "--device-memory-gib", str(DEVICE_GIB), "--gpu-memory-utilization", str(util)]
     if sleep_mode:
         command.append("--enable-sleep-mode")
+    if step_s:
+        command = paced(command, step_s)
     return ServerProcess(command, f"http://127.0.0.1:{port}", startup_timeout_s=90,
                          env={"VLLM_SERVER_DEV_MODE": "1"})
 
@@ -314,14 +317,15 @@ def timed(call):
 @pytest.mark.slow
 def test_switching_models_with_sleep_mode(tiny, device_dir):
     ledger = SimulatedDevice("gpu0", TOTAL)
-    a, b = serve(tiny, 0.5, sleep_mode=True, name="a"), serve(tiny, 0.6, name="b")
+    a, b = serve(tiny, 0.5, sleep_mode=True, name="a", step_s=0.05), serve(tiny, 0.6, name="b")
     latencies = {}
     try:
         with a, httpx.Client(base_url=a.base_url, timeout=30) as http:
             greedy = complete(a, "Paged attention", 8, name="a")["text"]
             assert http.get("/is_sleeping").json() == {"is_sleeping": False}
-            # A long request in flight when the server falls asleep is aborted, as vLLM does.
-            body = {"model": "a", "prompt": "x", "max_tokens": 200, "ignore_eos": True,
+            # A long request in flight when the server falls asleep is aborted, as vLLM does
+            # (240 steps of 50 ms at least: still running when the sleep comes).
+            body = {"model": "a", "prompt": "x", "max_tokens": 240, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", a.base_url + "/v1/completions", json=body,
                               timeout=30) as stream:

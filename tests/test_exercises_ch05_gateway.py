@@ -18,6 +18,7 @@ from labkit.engine.metrics import EngineMetrics
 from labkit.exercises import ch05_gateway as ex
 from labkit.harness import counters, fleet, load
 from labkit.http import client
+from labkit.tutorial.ch05_gateway import tutorial_round_robin
 
 
 def test_round_robin_after_an_ejection():
@@ -34,10 +35,11 @@ def test_round_robin_after_an_ejection():
 
 
 def test_tutorial_round_robin_is_count_modulo_the_available_set():
-    assert ex.tutorial_round_robin(6, ["a", "c", "d"]) == "a"
-    assert ex.tutorial_round_robin(7, ["a", "b"]) == "b"
+    # The tutorial's index, by hand: 6 % 3 = 0, 7 % 2 = 1.
+    assert tutorial_round_robin(6, ["a", "c", "d"]) == "a"
+    assert tutorial_round_robin(7, ["a", "b"]) == "b"
     with pytest.raises(ParameterError) as err:
-        ex.tutorial_round_robin(1, [])
+        tutorial_round_robin(1, [])
     assert err.value.param == "available"
 
 
@@ -139,8 +141,22 @@ def test_stream_outcomes_as_a_client_sees_them():
 
     lost = _classify(refuse)
     assert lost.outcome == "lost" and "ConnectError" in lost.error
-    counts = client.count_outcomes([complete, cut, broken, shed, lost, lost])
-    assert counts == {"complete": 1, "cut": 1, "broken": 1, "lost": 2, "shed": 1}
+    # A stream that never ends: the client's own deadline makes it hung.
+    async def held():
+        yield _token("a")
+        await asyncio.Event().wait()
+
+    async def go_hung():
+        handler = lambda request: httpx.Response(  # noqa: E731
+            200, headers={"content-type": "text/event-stream"}, content=held())
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                     base_url="http://gateway") as http:
+            return await client.stream_completion(http, "m", "hello", 4, deadline_s=0.2)
+
+    hung = asyncio.run(go_hung())
+    assert hung.outcome == "hung" and "still open after 0.2 s" in hung.error
+    counts = client.count_outcomes([complete, cut, broken, shed, lost, lost, hung])
+    assert counts == {"complete": 1, "cut": 1, "broken": 1, "lost": 2, "shed": 1, "hung": 1}
 
 
 def test_counters_come_from_the_metrics_page():
@@ -190,7 +206,7 @@ def test_varied_requests_stay_in_their_ranges_and_repeat():
     (lambda: load.chat_workload(0, 3), "num_conversations"),
     (lambda: fleet.BackendFleet("model", 3, max_num_seqs=(1, 2)), "max_num_seqs"),
     (lambda: fleet.gateway_command(["http://a"], "fastest", 8000), "strategy"),
-    (lambda: fleet.gateway_command([], "round_robin", 8000), "backends"),
+    (lambda: fleet.gateway_command([], "round_robin", 0), "port"),
 ])
 def test_load_helpers_name_bad_parameters(call, param):
     with pytest.raises(ParameterError) as err:
@@ -207,3 +223,5 @@ def test_gateway_command_parses_with_labkit_gateways_own_parser():
     ns = parser.parse_args(command[3:])
     assert (ns.strategy, ns.host, ns.port, ns.seed) == ("prefix_aware", "127.0.0.1", 30123, 7)
     assert ns.backend == ["http://a:1", "http://b:2"]
+    # No backend: an empty gateway, for an autoscaler to fill through /add_worker.
+    assert parser.parse_args(fleet.gateway_command([], "round_robin", 30123)[3:]).backend == []

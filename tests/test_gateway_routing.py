@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.checks import ParameterError
-from labkit.gateway.endpoints import Endpoint, NoEndpointError, RoutingRequest, SaturatedError
+from labkit.gateway.endpoints import (
+    REPORTED_RANGES,
+    Endpoint,
+    NoEndpointError,
+    RoutingRequest,
+    SaturatedError,
+)
 from labkit.gateway.prefix_index import PrefixIndex
 from labkit.gateway.plugins import (
     HashRing,
@@ -243,6 +250,57 @@ def test_nothing_routable_raises_no_endpoint(strategy):
 
 
 # --- properties ---------------------------------------------------------------------------
+
+BAD_OR_GOOD = st.one_of(st.none(), st.just(math.nan), st.just(math.inf), st.just(-math.inf),
+                       st.floats(-10, 10), st.floats(0, 2), st.integers(-3, 20))
+ENDPOINT_STATES = st.lists(st.fixed_dictionaries({
+    "healthy": st.booleans(), "draining": st.booleans(), "in_flight": st.integers(0, 9),
+    "num_requests_waiting": BAD_OR_GOOD, "num_requests_running": BAD_OR_GOOD,
+    "kv_cache_usage": BAD_OR_GOOD, "ttft_ewma_s": BAD_OR_GOOD,
+    "age_s": st.one_of(st.none(), st.floats(0, 1))}), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(strategy=st.sampled_from(STRATEGIES), states=ENDPOINT_STATES,
+       prompt=st.text(max_size=300), session=st.one_of(st.none(), st.text(max_size=8)))
+def test_every_router_picks_a_routable_endpoint_or_refuses_whatever_the_metrics(
+        strategy, states, prompt, session):
+    """NaN, infinities, negative counts and a KV usage above 1, as a broken exporter may
+    report them: each is stored as unknown, and every strategy picks a routable endpoint or
+    raises one of its two documented refusals (503 or 429 at the proxy), never anything else."""
+    endpoints = []
+    for i, state in enumerate(states):
+        age_s = state.pop("age_s")
+        endpoints.append(Endpoint(f"http://b{i}", metrics_time=None if age_s is None
+                                  else NOW - age_s, **state))
+    for e in endpoints:
+        for name, (low, high) in REPORTED_RANGES.items():
+            value = getattr(e, name)
+            assert value is None or (math.isfinite(value) and low <= value <= high), (name, value)
+    router = make_router(strategy, seed=0)
+    request = req(prompt, session)
+    try:
+        picked = router.pick(request, endpoints, NOW)
+    except NoEndpointError:
+        assert not any(e.routable for e in endpoints)
+        return
+    except SaturatedError:
+        assert strategy in ("endpoint_picker", "prefix_aware")
+        return
+    assert picked in endpoints and picked.routable
+    router.record(request, picked)
+
+
+def test_a_nan_queue_is_unknown_so_the_backend_counts_as_saturated():
+    # The issue's case: one backend reports vllm:num_requests_waiting NaN. The others still
+    # get the traffic, in either order.
+    for order in ((0, 1), (1, 0)):
+        endpoints = [fresh("nan", waiting=math.nan), fresh("ok", waiting=1)]
+        endpoints = [endpoints[i] for i in order]
+        assert endpoints[order.index(0)].num_requests_waiting is None
+        for strategy in ("endpoint_picker", "prefix_aware"):
+            assert counts(make_router(strategy, seed=0), endpoints, 20) == {"ok": 20}
+
 
 @settings(max_examples=150, deadline=None)
 @given(n=st.integers(2, 5),

@@ -4,12 +4,15 @@ retries before the first byte, 503 and 429, the admin API, a backend killed unde
 (error events, ejection, re-admission), and no in-flight count left behind."""
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -36,6 +39,7 @@ from labkit.gateway import (
     parse_backend_metrics,
     routing_request,
 )
+from labkit.gateway.config import check_exposure
 from labkit.launch import ServeConfig, command_for
 from labkit.process import ServerProcess, free_port
 
@@ -109,9 +113,8 @@ def fake_backend(status: int = 500) -> FastAPI:
     return app
 
 
-def slow_backend(stall_s: float) -> FastAPI:
-    """A healthy backend that stalls ``stall_s`` seconds: before answering a completion, or,
-    for a streamed one, after its first event."""
+def quick_backend() -> FastAPI:
+    """A healthy backend that answers at once: a stream of one event, or a JSON body."""
     app = FastAPI()
     app.get("/health")(lambda: PlainTextResponse(""))
     app.get("/metrics")(lambda: PlainTextResponse(""))
@@ -119,17 +122,50 @@ def slow_backend(stall_s: float) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         if not (await request.json()).get("stream"):
-            await asyncio.sleep(stall_s)
-            return JSONResponse({"choices": []})
+            return JSONResponse({"choices": [{"index": 0, "text": "quick"}]})
 
         async def events():
-            yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "one"}]}\n\n'
-            await asyncio.sleep(stall_s)
+            yield 'data: {"id": "cmpl-q", "choices": [{"index": 0, "text": "quick"}]}\n\n'
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def held_backend(*, first_event: bool = True) -> tuple[FastAPI, dict]:
+    """A backend whose completions hold until the test says otherwise, on any machine's
+    speed: a stream sends its headers and then holds, after one event (``first_event``) or
+    before any, until ``state["release"]`` is set (then it sends a second event and
+    ``[DONE]``) or its client goes away; a non-streamed request is held before its answer
+    starts. ``state``: ``"arrived"`` counts requests, ``"closed"`` the streams that ended,
+    and ``"healthy"`` (set it False) turns ``/health`` into 503, as a wedged server's probe
+    fails."""
+    app = FastAPI()
+    state = {"arrived": 0, "closed": 0, "healthy": True, "release": threading.Event()}
+    app.get("/health")(lambda: PlainTextResponse("", 200 if state["healthy"] else 503))
+    app.get("/metrics")(lambda: PlainTextResponse(""))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        state["arrived"] += 1
+        if not (await request.json()).get("stream"):
+            await asyncio.Event().wait()  # held: nothing ever sets it
+
+        async def events():
+            try:
+                if first_event:
+                    yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "one"}]}\n\n'
+                while not state["release"].is_set():  # a threading.Event: the test sets it
+                    await asyncio.sleep(0.01)
+                yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "two"}]}\n\n'
+                yield "data: [DONE]\n\n"
+            finally:
+                state["closed"] += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, state
 
 
 def dead_url() -> str:
@@ -208,6 +244,7 @@ def test_bad_settings_name_the_parameter():
     assert err.value.param == "strategy"
     for field, bad in (("session_header", ""), ("max_request_bytes", 0), ("read_timeout_s", 0),
                        ("probe_interval_s", -1), ("readmit_after", 1.5),
+                       ("first_byte_timeout_s", 0), ("stream_idle_timeout_s", float("nan")),
                        ("drain_timeout_s", float("inf"))):
         with pytest.raises(ParameterError) as err:
             GatewayConfig(**{field: bad})
@@ -233,6 +270,32 @@ def test_config_defaults_are_vllm_router_s_and_the_endpoint_picker_s_ratio():
     assert detector.metrics_staleness_s == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("host, api_key, open_routes, refused", [
+    ("127.0.0.1", None, False, False), ("127.8.9.10", None, False, False),
+    ("::1", None, False, False), ("localhost", None, False, False),
+    ("0.0.0.0", None, False, True), ("::", None, False, True), ("10.1.2.3", None, False, True),
+    ("gateway.internal", None, False, True),
+    ("0.0.0.0", "sk-1", False, False), ("0.0.0.0", None, True, False),
+])
+def test_admin_routes_beyond_loopback_need_a_key_or_an_explicit_flag(host, api_key,
+                                                                     open_routes, refused):
+    if refused:
+        with pytest.raises(ParameterError) as err:
+            check_exposure(host, api_key, open_routes)
+        assert err.value.param == "host" and "--api-key" in str(err.value)
+    else:
+        check_exposure(host, api_key, open_routes)
+
+
+def test_cli_refuses_to_open_the_admin_routes_to_the_network_unasked():
+    command = [sys.executable, "-m", "labkit.cli", "gateway", "--host", "0.0.0.0",
+               "--port", str(free_port())]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "labkit gateway: binding '0.0.0.0'" in refused.stderr
+    assert "--open-admin-routes" in refused.stderr
+
+
 def test_routing_request_sees_the_prompt_text():
     assert routing_request(b'{"model": "m", "prompt": "abc"}', "s1") == \
         RoutingRequest("m", "abc", "s1")
@@ -243,25 +306,36 @@ def test_routing_request_sees_the_prompt_text():
     assert routing_request(b'{"prompt": [[1, 2], [3]]}').prompt == "1 2\n3"
     assert routing_request(b'{"prompt": [1, 2, 3]}').prompt == "1 2 3"
     assert routing_request(b"not json").prompt == ""
+    # Only a JSON true asks for a stream (as vLLM's request model reads it).
+    assert routing_request(b'{"prompt": "a", "stream": true}').stream
+    assert not routing_request(b'{"prompt": "a", "stream": "yes"}').stream
 
 
 # -- the proxy ---------------------------------------------------------------------------
 
 def test_stream_passes_through_event_by_event(backends):
-    (a, engine), _ = backends
+    (a, _), _ = backends
     body = completion(max_tokens=400, ignore_eos=True, stream=True)
     with httpx.stream("POST", a + "/v1/completions", json=body, timeout=60) as direct:
         expected = [e["choices"] if e != "[DONE]" else e for e in sse_events(direct.iter_lines())]
     with running(Gateway([a], GatewayConfig("round_robin"))) as gw:
         with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=60) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            # The first event reached us while the backend was still generating.
-            assert engine.engine.has_unfinished_requests()
-            events = sse_events([first, *lines])
+            events = sse_events(response.iter_lines())
     assert [e["choices"] if e != "[DONE]" else e for e in events] == expected
     assert len(events) > 100
+    # Event by event, not collected first: the first event reaches the client while the
+    # backend holds the rest back, until the test lets it go.
+    app, state = held_backend()
+    with serve_asgi(app) as held, running(Gateway([held], GatewayConfig("round_robin"))) as gw:
+        with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"] == "one"
+            state["release"].set()
+            events = sse_events([first, *lines])
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["one", "two"]
+    assert events[-1] == "[DONE]"
 
 
 def test_models_union_and_health(tiny, backends):
@@ -337,6 +411,103 @@ def test_backend_errors_pass_through_unchanged(backends, body):
         assert httpx.get(gw + "/health").status_code == 200
 
 
+@contextlib.contextmanager
+def garbage_backend():
+    """A TCP server that answers anything with bytes that are not HTTP, then hangs up."""
+    import socketserver
+    import threading
+
+    class Garbage(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(65536)
+            self.request.sendall(b"\x00\xffnot http at all\r\n\r\n")
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Garbage)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def broken_sse_backend() -> FastAPI:
+    """A healthy backend whose stream is a 200 that breaks the SSE rules: half an event, no
+    blank line, no ``[DONE]``, then the end of the body."""
+    app = FastAPI()
+    app.get("/health")(lambda: PlainTextResponse(""))
+    app.get("/metrics")(lambda: PlainTextResponse(""))
+
+    @app.post("/v1/completions")
+    async def completions():
+        async def events():
+            yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "one"}]}\n\n'
+            yield 'data: {"id": "cmpl-1", "choi'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_hostile_backends_get_a_clear_error_and_leave_nothing_open():
+    # A backend that speaks no HTTP: a failure before the first byte, 503 once it was the
+    # only one, retried on another when there is one.
+    with garbage_backend() as garbage, serve_asgi(quick_backend()) as quick:
+        config = GatewayConfig(InOrder(), eject_after=100, probe_interval_s=600)
+        for urls in ([garbage, quick], [garbage]):
+            gateway = Gateway(urls, config)
+            with running(gateway) as gw:
+                # Its first probe failed; route to it anyway, as if it had just broken.
+                gateway.pool.endpoints[0].healthy = True
+                answer = httpx.post(gw + "/v1/completions", json=completion())
+                assert gateway_metric(gw, "labkit_gateway_retries_total",
+                                      backend=garbage) == (len(urls) > 1)
+                if len(urls) > 1:
+                    assert answer.status_code == 200
+                else:
+                    assert answer.status_code == 503
+                    error = answer.json()["error"]
+                    assert error["type"] == "ServiceUnavailableError"
+                    assert "every backend tried failed" in error["message"]
+                    assert garbage in error["message"]
+    # A 200 whose stream breaks the SSE rules: the whole first event, then the error event.
+    with serve_asgi(broken_sse_backend()) as broken:
+        with running(Gateway([broken], GatewayConfig(InOrder(), eject_after=100))) as gw:
+            with httpx.stream("POST", gw + "/v1/completions",
+                              json=completion(stream=True)) as stream:
+                events = sse_events(stream.iter_lines())
+            assert events[0]["choices"][0]["text"] == "one" and len(events) == 3
+            assert "ended before data: [DONE]" in events[1]["error"]["message"]
+            assert events[2] == "[DONE]"
+            assert httpx.get(gw + "/health").status_code == 200
+
+
+def test_hostile_clients_get_a_clear_error_and_leave_nothing_open(backends):
+    (a, _), _ = backends
+    with running(Gateway([a], GatewayConfig("round_robin"))) as gw:
+        # Not JSON at all, with a wrong content type: the backend's own 4xx, unchanged.
+        for body, content_type in ((b"\xff\xfe not json", "application/json"),
+                                   (b"prompt=hello", "application/x-www-form-urlencoded"),
+                                   ("Grüße 🙂".encode(), "text/plain; charset=utf-8")):
+            answer = httpx.post(gw + "/v1/completions", content=body,
+                                headers={"content-type": content_type})
+            assert 400 <= answer.status_code < 500, (content_type, answer.text)
+            assert "error" in answer.json()
+        # Many idle connections held open: the gateway keeps serving, and they cost it
+        # nothing once they go.
+        host, port = gw.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+        try:
+            assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
+            assert httpx.get(gw + "/health").status_code == 200
+        finally:
+            for connection in idle:
+                connection.close()
+        assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
+
+
 def test_multibyte_prompts_and_outputs_arrive_intact(backends):
     (a, _), _ = backends
     prompt = "Grüße, 世界! 🙂 Ünïcödé ½ — ok"
@@ -399,27 +570,93 @@ def test_retry_on_another_backend_before_the_first_byte(backends):
         assert gateway_metric(gw, "labkit_gateway_ejections_total", backend=gone) == 1
 
 
-def test_read_timeouts_retry_before_the_first_byte_and_cut_after_it(backends):
-    (a, _), _ = backends
-    with serve_asgi(slow_backend(stall_s=1.5)) as slow:
-        gateway = Gateway([slow, a], GatewayConfig(InOrder(), read_timeout_s=0.3,
-                                                 eject_after=100))
+def test_a_first_byte_timeout_retries_elsewhere_and_ejects_the_silent_backend():
+    held, state = held_backend(first_event=False)
+    with serve_asgi(held) as silent, serve_asgi(quick_backend()) as quick:
+        config = GatewayConfig(InOrder(), first_byte_timeout_s=2, eject_after=2,
+                               probe_interval_s=60)
+        gateway = Gateway([silent, quick], config)
         with running(gateway) as gw:
-            # Nothing came back within the read timeout: the request goes on to ``a``.
-            started = time.monotonic()
-            answer = httpx.post(gw + "/v1/completions", json=completion())
-            assert answer.status_code == 200 and answer.json()["model"] == MODEL
-            assert time.monotonic() - started < 1.5
-            assert gateway_metric(gw, "labkit_gateway_retries_total", backend=slow) == 1
-            # The first event went out, then the backend stalled: the stream is cut with an
-            # error event, never sent again elsewhere.
+            assert gateway_metric(gw, "labkit_gateway_timeouts_total", backend=silent,
+                                  kind="first_byte") == 0  # exported from the start
+            for _ in range(2):  # headers, then no event: retried on the quick one
+                with httpx.stream("POST", gw + "/v1/completions",
+                                  json=completion(stream=True)) as stream:
+                    events = sse_events(stream.iter_lines())
+                assert events[0]["choices"][0]["text"] == "quick" and events[-1] == "[DONE]"
+            assert gateway_metric(gw, "labkit_gateway_timeouts_total", backend=silent,
+                                  kind="first_byte") == 2
+            assert gateway_metric(gw, "labkit_gateway_retries_total", backend=silent) == 2
+            endpoint = gateway.pool.get(silent)
+            assert not endpoint.healthy  # the second timeout in a row ejected it
+            assert endpoint.ttft_ewma_s >= 2  # and its latency average counts the wait
+            assert wait_for(lambda: state["closed"] == 2, 30)  # the backend saw both leave
+    # Alone, every attempt timed out: 504 with an OpenAI error body that says so.
+    held, _ = held_backend(first_event=False)
+    with serve_asgi(held) as silent:
+        config = GatewayConfig(InOrder(), first_byte_timeout_s=1, eject_after=100)
+        with running(Gateway([silent], config)) as gw:
+            answer = httpx.post(gw + "/v1/completions", json=completion(stream=True))
+            assert answer.status_code == 504
+            assert "no first byte within 1 s" in answer.json()["error"]["message"]
+
+
+def test_a_stream_idle_timeout_cuts_the_stream_with_an_error_event():
+    held, state = held_backend(first_event=True)
+    with serve_asgi(held) as stalled:
+        gateway = Gateway([stalled], GatewayConfig(InOrder(), stream_idle_timeout_s=1,
+                                                   eject_after=100))
+        with running(gateway) as gw:
             with httpx.stream("POST", gw + "/v1/completions",
                               json=completion(stream=True)) as stream:
                 events = sse_events(stream.iter_lines())
+            # The first event went out, then nothing: cut, never sent again elsewhere.
             assert events[0]["choices"][0]["text"] == "one" and len(events) == 3
             assert events[1]["error"]["type"] == "BadGatewayError"
-            assert "ReadTimeout" in events[1]["error"]["message"] and events[2] == "[DONE]"
-            assert gateway_metric(gw, "labkit_gateway_streams_cut_total", backend=slow) == 1
+            assert "sent nothing for 1 s" in events[1]["error"]["message"]
+            assert events[2] == "[DONE]"
+            assert gateway_metric(gw, "labkit_gateway_timeouts_total", backend=stalled,
+                                  kind="stream_idle") == 1
+            assert gateway_metric(gw, "labkit_gateway_streams_cut_total", backend=stalled) == 1
+            assert gateway.pool.get(stalled).consecutive_failures == 1
+            assert wait_for(lambda: state["closed"] == 1, 30)  # the upstream was closed
+
+
+def test_requests_waiting_on_a_backend_that_gets_ejected_are_retried_at_once():
+    """A non-streamed answer has no first-byte bound (it comes whole when complete), but a
+    request waiting on a backend that is ejected meanwhile (its probes fail) goes elsewhere
+    at once. The read timeout still bounds each read."""
+    held, state = held_backend()
+    with serve_asgi(held) as wedged, serve_asgi(quick_backend()) as quick:
+        gateway = Gateway([wedged, quick], GatewayConfig(InOrder(), probe_interval_s=0.05))
+        with running(gateway) as gw:
+            with httpx.Client(timeout=60) as client:
+                async_answer = _in_thread(lambda: client.post(gw + "/v1/completions",
+                                                              json=completion()))
+                assert wait_for(lambda: state["arrived"] == 1, 30)  # held on the wedged one
+                assert gateway.pool.get(wedged).in_flight == 1
+                state["healthy"] = False  # three failed probes eject it
+                answer = async_answer()
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "quick"
+            assert gateway_metric(gw, "labkit_gateway_retries_total", backend=wedged) == 1
+            assert gateway_metric(gw, "labkit_gateway_timeouts_total", backend=wedged,
+                                  kind="first_byte") == 0
+    held, _ = held_backend()
+    with serve_asgi(held) as wedged, serve_asgi(quick_backend()) as quick:
+        config = GatewayConfig(InOrder(), read_timeout_s=1, eject_after=100)
+        with running(Gateway([wedged, quick], config)) as gw:
+            answer = httpx.post(gw + "/v1/completions", json=completion(), timeout=60)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "quick"
+            assert gateway_metric(gw, "labkit_gateway_retries_total", backend=wedged) == 1
+
+
+def _in_thread(call):
+    """Start ``call()`` in a thread; return a function that waits for and returns its
+    result."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    return lambda: future.result(timeout=60)
 
 
 def test_429_with_retry_after_when_every_backend_is_saturated(backends):
@@ -436,41 +673,20 @@ def test_429_with_retry_after_when_every_backend_is_saturated(backends):
         assert shed.status_code == 429 and shed.headers["retry-after"] == "3"
         assert shed.json()["error"]["type"] == "RateLimitError"
     # The endpoint picker's saturation detector: metrics older than its staleness bound count
-    # as saturated. Scraped once at start and not again for a minute, they soon are.
-    picker = make_router("endpoint_picker", metrics_staleness_s=0.2)
+    # as saturated. Scraped once at start and not again for a minute; the scrape is aged by
+    # hand, not waited for: a loaded machine may take longer than any short bound to route
+    # the first request.
+    picker = make_router("endpoint_picker", metrics_staleness_s=30)
     stale = Gateway([a], GatewayConfig(picker, scrape_interval_s=60))
     with running(stale) as gw:
         assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
-        time.sleep(0.3)
+        stale.pool.endpoints[0].metrics_time -= 60
         shed = httpx.post(gw + "/v1/completions", json=completion())
         assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
 
 
-def held_stream_backend() -> tuple[FastAPI, dict]:
-    """A healthy backend whose stream sends one event and then holds, until its client goes
-    away: the state "mid-stream" lasts as long as the test needs, on any machine's speed.
-    ``state["closed"]`` is set once the backend sees its stream end."""
-    app = FastAPI()
-    app.get("/health")(lambda: PlainTextResponse(""))
-    app.get("/metrics")(lambda: PlainTextResponse(""))
-    state = {"closed": False}
-
-    @app.post("/v1/completions")
-    async def completions():
-        async def events():
-            try:
-                yield 'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "one"}]}\n\n'
-                await asyncio.Event().wait()  # held: nothing ever sets it
-            finally:
-                state["closed"] = True
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app, state
-
-
 def test_client_leaving_mid_stream_frees_the_backend():
-    app, state = held_stream_backend()
+    app, state = held_backend()
     with serve_asgi(app) as backend:
         gateway = Gateway([backend], GatewayConfig("round_robin"))
         with running(gateway) as gw:
@@ -483,56 +699,71 @@ def test_client_leaving_mid_stream_frees_the_backend():
                 assert gateway.pool.endpoints[0].in_flight == 1  # the backend holds it
             # The gateway notices its client left, closes the upstream stream, and counts a
             # 499; generous bounds, since a loaded machine may take seconds to get there.
-            assert wait_for(lambda: state["closed"], 30)
+            assert wait_for(lambda: state["closed"] == 1, 30)
             assert wait_for(lambda: gateway.pool.endpoints[0].in_flight == 0, 30)
             assert wait_for(lambda: gateway_metric(gw, "labkit_gateway_requests_total",
                                                    backend=backend, status="499") == 1, 30), \
                 httpx.get(gw + "/metrics").text[-2000:]
 
 
-def test_admin_add_drain_and_remove(tiny, backends):
-    (a, _), (b, _) = backends
-    gateway = Gateway([a], GatewayConfig("round_robin", probe_interval_s=0.05,
-                                         worker_startup_timeout_s=0.3))
-    with running(gateway) as gw:
-        added = httpx.post(gw + "/add_worker", params={"url": b + "/"})
-        assert (added.status_code, added.text) == (200, f"Successfully added worker: {b}")
-        assert httpx.get(gw + "/list_workers").json() == {"urls": [a, b]}
-        again = httpx.post(gw + "/add_worker", params={"url": b})
-        assert again.status_code == 400 and "already exists" in again.json()["error"]["message"]
-        never = httpx.post(gw + "/add_worker", params={"url": dead_url()})
-        assert never.status_code == 400 and "not healthy after 0.3 s" in never.text
-        assert httpx.post(gw + "/add_worker", params={"url": "ftp://x"}).status_code == 400
-        assert httpx.post(gw + "/remove_worker", params={"url": dead_url()}).status_code == 404
+def test_admin_add_drain_and_remove(backends):
+    (a, _), _ = backends
+    app, state = held_backend()  # b holds its stream open until the test releases it
+    with serve_asgi(app) as b:
+        gateway = Gateway([a], GatewayConfig("round_robin", probe_interval_s=0.05,
+                                             worker_startup_timeout_s=0.3))
+        with running(gateway) as gw:
+            added = httpx.post(gw + "/add_worker", params={"url": b + "/"})
+            assert (added.status_code, added.text) == (200, f"Successfully added worker: {b}")
+            assert httpx.get(gw + "/list_workers").json() == {"urls": [a, b]}
+            again = httpx.post(gw + "/add_worker", params={"url": b})
+            assert again.status_code == 400
+            assert "already exists" in again.json()["error"]["message"]
+            never = httpx.post(gw + "/add_worker", params={"url": dead_url()})
+            assert never.status_code == 400 and "not healthy after 0.3 s" in never.text
+            assert httpx.post(gw + "/add_worker", params={"url": "ftp://x"}).status_code == 400
+            assert httpx.post(gw + "/remove_worker",
+                              params={"url": dead_url()}).status_code == 404
 
-        async def drain_while_streaming() -> tuple[list, httpx.Response, list[str]]:
-            async with httpx.AsyncClient(base_url=gw, timeout=60) as client:
-                removed = await client.post("/remove_worker", params={"url": a})
-                assert removed.status_code == 200  # a had nothing open: gone at once
-                body = completion(max_tokens=300, ignore_eos=True, stream=True)
-                async with client.stream("POST", "/v1/completions", json=body) as stream:
-                    lines = stream.aiter_lines()
-                    first = await anext(line async for line in lines if line.startswith("data"))
-                    on_b = gateway.pool.get(b)
-                    assert on_b.in_flight == 1
-                    await client.post("/add_worker", params={"url": a})
-                    draining = asyncio.create_task(client.post("/remove_worker",
-                                                               params={"url": b}))
-                    await asyncio.sleep(0.2)
-                    assert on_b.draining and not draining.done()
-                    # New requests go to a while b finishes its stream.
-                    served = [(await client.post("/v1/completions", json=completion()))
-                              .status_code for _ in range(2)]
-                    rest = [first] + [line async for line in lines]
-                return sse_events(rest), await draining, served
+            async def drain_while_streaming() -> tuple[list, httpx.Response, list[int], bool]:
+                async with httpx.AsyncClient(base_url=gw, timeout=60) as client:
+                    removed = await client.post("/remove_worker", params={"url": a})
+                    assert removed.status_code == 200  # a had nothing open: gone at once
+                    body = completion(stream=True)
+                    async with client.stream("POST", "/v1/completions", json=body) as stream:
+                        lines = stream.aiter_lines()
+                        first = await anext(line async for line in lines
+                                            if line.startswith("data"))
+                        on_b = gateway.pool.get(b)
+                        assert on_b.in_flight == 1  # b holds it
+                        await client.post("/add_worker", params={"url": a})
+                        draining = asyncio.create_task(client.post("/remove_worker",
+                                                                   params={"url": b}))
+                        await asyncio.wait_for(_until(lambda: on_b.draining), 30)
+                        # New requests go to a while b finishes its stream, which b holds:
+                        # the drain cannot be over.
+                        served = [(await client.post("/v1/completions", json=completion()))
+                                  .status_code for _ in range(2)]
+                        still_draining = not draining.done()
+                        state["release"].set()
+                        rest = [first] + [line async for line in lines]
+                    return sse_events(rest), await draining, served, still_draining
 
-        events, removed, served = asyncio.run(drain_while_streaming())
-        assert served == [200, 200]
-        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
-        assert removed.status_code == 200 and removed.text == f"Successfully removed worker: {b}"
-        assert httpx.get(gw + "/list_workers").json() == {"urls": [a]}
-        assert gateway_metric(gw, "labkit_gateway_requests_total", backend=a,
-                              status="200") == 2
+            events, removed, served, still_draining = asyncio.run(drain_while_streaming())
+            assert served == [200, 200] and still_draining
+            assert [e["choices"][0]["text"] for e in events[:-1]] == ["one", "two"]
+            assert events[-1] == "[DONE]"
+            assert removed.status_code == 200
+            assert removed.text == f"Successfully removed worker: {b}"
+            assert httpx.get(gw + "/list_workers").json() == {"urls": [a]}
+            assert gateway_metric(gw, "labkit_gateway_requests_total", backend=a,
+                                  status="200") == 2
+
+
+async def _until(condition, interval_s: float = 0.01) -> None:
+    """Return once ``condition()`` is true (bound it with ``asyncio.wait_for``)."""
+    while not condition():
+        await asyncio.sleep(interval_s)
 
 
 @pytest.mark.slow
@@ -567,8 +798,8 @@ def test_load_with_a_backend_killed_mid_stream_and_restarted(tiny, backends):
                     first = [asyncio.create_task(one(client, i)) for i in range(30)]
                     # Kill it once its streams have started: a first event from it has
                     # reached the gateway (its TTFT is known) and it still has some open.
-                    while c.ttft_ewma_s is None or c.in_flight == 0:
-                        await asyncio.sleep(0.005)
+                    await asyncio.wait_for(_until(lambda: c.ttft_ewma_s is not None
+                                                  and c.in_flight > 0, 0.005), 60)
                     os.killpg(os.getpgid(victim.process.pid), signal.SIGKILL)
                     await asyncio.gather(*first)
                     second = [asyncio.create_task(one(client, i)) for i in range(30, 60)]

@@ -319,10 +319,13 @@ def test_queue_alert_pending_firing_resolved(fleet):
     for monitor, watcher in zip(monitors, watchers, strict=True):
         changes = [c for c in watcher.changes if c.name == rule.name]
         states = [c.state for c in changes]
-        assert states[:2] == ["pending", "firing"] and states[-1] == "resolved", \
+        # In order, wherever a flap puts them: pending first, then firing, resolved last.
+        assert states[0] == "pending" and "firing" in states and states[-1] == "resolved", \
             (monitor.which, states)
         assert {dict(c.labels)["instance"] for c in changes} == {small.removeprefix("http://")}
-        pending, firing, resolved = changes[0], changes[1], changes[-1]
+        fired = states.index("firing")
+        pending, firing, resolved = changes[0], changes[fired], changes[-1]
+        assert states[fired - 1] == "pending", (monitor.which, states)
         started, ended = (overload.start_s - monitor.origin_s,
                           overload.end_s - monitor.origin_s)
         assert pending.active_at_s >= started, monitor.which

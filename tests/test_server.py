@@ -4,6 +4,7 @@ metrics, authentication and limits, no leaks."""
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.engine import EngineArgs, write_tiny_model
 from labkit.engine.async_engine import AsyncLLMEngine
+from labkit.process import wait_until
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny"
@@ -34,19 +36,63 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused")
 
 
-def wait_idle(engine, timeout=5.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
 def assert_no_leak(engine):
-    wait_idle(engine)
+    """No request left and every KV block back. Aborts reach the engine's thread through its
+    queue, so this waits for that first; the 30 s only bound a hang, the asserts below say
+    what is left if it never gets there."""
     kv = engine.engine.kv_cache
+
+    def clean() -> bool:
+        return (not engine.engine.has_unfinished_requests() and not engine.engine.groups
+                and kv.block_pool.num_free_blocks == kv.num_blocks and not kv.req_to_blocks)
+
+    try:
+        wait_until(clean, timeout_s=30, interval_s=0.02, what="no request left")
+    except TimeoutError:
+        pass  # the asserts name what is left
     assert not engine.engine.has_unfinished_requests() and not engine.engine.groups
     assert kv.block_pool.num_free_blocks == kv.num_blocks and not kv.req_to_blocks
+
+
+class HeldModel:
+    """The engine's model, held by the test: the first forward pass (the prefill that gives a
+    request its first token) runs and sets ``reached``; every later one waits until
+    ``release`` is set, so a request cannot finish, however fast the machine, before the
+    test has done what it must do mid-flight. ``calls`` counts the passes. A wait that
+    outlasts 30 s sets ``release`` itself: a broken test fails on its asserts, never hangs."""
+
+    def __init__(self, engine: AsyncLLMEngine, monkeypatch) -> None:
+        self.reached, self.release, self.calls = threading.Event(), threading.Event(), 0
+        forward = engine.engine.model.forward
+
+        def held(*args, **kwargs):
+            self.calls += 1
+            if self.calls == 1:
+                self.reached.set()
+            elif not self.release.wait(30):
+                self.release.set()
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(engine.engine.model, "forward", held)
+
+
+def closed_streams(engine: AsyncLLMEngine, monkeypatch) -> threading.Event:
+    """An event set once a request's engine stream has been closed (finished or aborted:
+    its ``finally`` queues the abort before this returns); the server's handlers call
+    ``engine.generate`` at request time, so they get the wrapped one."""
+    closed, generate = threading.Event(), engine.generate
+
+    async def watched(*args, **kwargs):
+        stream = generate(*args, **kwargs)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+            closed.set()
+
+    monkeypatch.setattr(engine, "generate", watched)
+    return closed
 
 
 def test_models_and_health(server, client):
@@ -284,13 +330,32 @@ def test_cancelled_streams_leak_no_blocks(server):
     assert_no_leak(engine)
 
 
-def test_client_leaving_a_non_streamed_request_aborts_it(server):
+def test_client_leaving_a_non_streamed_request_aborts_it(server, monkeypatch):
+    """The client goes away once its request is in the engine (the first forward pass has
+    run); the engine is held from its second pass until the server has closed the
+    request's stream, so the request cannot run to its end first: it is aborted, every
+    block of its eight choices comes back, and it stops after a few of its 240 steps."""
     base, engine = server
-    # Eight choices of 240 tokens take the tiny model about 0.3 s; the client reads for 0.02.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", timeout=httpx.Timeout(5, read=0.02), json={
-            "model": MODEL, "prompt": "long", "max_tokens": 240, "ignore_eos": True, "n": 8})
+    model = HeldModel(engine, monkeypatch)
+    closed = closed_streams(engine, monkeypatch)
+
+    async def leave():
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            request = asyncio.ensure_future(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "long", "max_tokens": 240, "ignore_eos": True,
+                "n": 8}))
+            reached = await asyncio.to_thread(model.reached.wait, 30)
+            request.cancel()  # the client walks away: httpx closes the connection
+            await asyncio.wait({request})
+        return reached
+
+    try:
+        assert asyncio.run(leave()), "the request never reached the engine"
+        assert closed.wait(30), "the server did not notice the client leave"
+    finally:
+        model.release.set()
     assert_no_leak(engine)
+    assert model.calls < 240  # aborted, not run to its end
 
 
 def test_regex_and_structured_outputs_through_the_api(client):
@@ -450,13 +515,16 @@ def test_continuous_usage_stats(server):
     assert chunks[-1]["usage"]["completion_tokens"] == 8 and not chunks[-1]["choices"]
 
 
-def test_a_client_leaving_a_non_streamed_request_is_no_server_error(server):
+def test_a_client_leaving_a_non_streamed_request_is_no_server_error(server, monkeypatch):
     """When a non-streamed request's client goes away, the request is aborted and the
     handler returns quietly (closing the engine stream while it still runs would raise)."""
     from labkit.engine.sampling import SamplingParams
     from labkit.engine.server import _collect
 
     engine = server[1]
+    # The request is still running at the second look, on any machine: the engine is held
+    # after its first pass until _collect has returned (and queued the abort).
+    model = HeldModel(engine, monkeypatch)
 
     class Gone:  # there for the first look, gone by the second: the request is running
         looks = 0
@@ -469,38 +537,47 @@ def test_a_client_leaving_a_non_streamed_request_is_no_server_error(server):
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         stream = engine.generate("Hello", params, "gone")
         first = await stream.__anext__()
-        return await _collect(stream, first, Gone())
+        try:
+            return await _collect(stream, first, Gone())
+        finally:
+            model.release.set()
 
     assert asyncio.run(leave()) is None
     assert_no_leak(engine)
+    assert model.calls < 200  # aborted, not run to its end
 
 
 def test_shutdown_does_not_wait_out_a_slow_step(tiny, monkeypatch):
     """SIGTERM must stop the server within 5 s, 2 s of which uvicorn's graceful shutdown
     takes: stopping the engine may not wait for a step that takes seconds (a slow
-    constraint), which finishes in its daemon thread instead."""
-    import time
-
+    constraint), which finishes in its daemon thread instead. The step here is held until
+    the test lets it go, after shutdown() has returned (60 s at most): a shutdown that
+    waited for it would take the whole minute. 10 s bounds the 2 s join on any machine."""
     from labkit.engine.sampling import SamplingParams
 
     engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=64), served_model_name=MODEL)
-    forward, stepping = engine.engine.model.forward, threading.Event()
+    forward, stepping, release = engine.engine.model.forward, threading.Event(), \
+        threading.Event()
 
-    def slow_forward(*args, **kwargs):
+    def held_forward(*args, **kwargs):
         stepping.set()
-        time.sleep(6)
+        release.wait(60)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.engine.model, "forward", slow_forward)
+    monkeypatch.setattr(engine.engine.model, "forward", held_forward)
 
     async def one_token():
         await engine.generate("Hello", SamplingParams(max_tokens=1)).__anext__()
 
     threading.Thread(target=asyncio.run, args=(one_token(),), daemon=True).start()
-    assert stepping.wait(10)
-    start = time.monotonic()
-    engine.shutdown()
-    assert time.monotonic() - start < 3
+    try:
+        assert stepping.wait(30)
+        start = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - start < 10
+        assert engine._thread.is_alive()  # noqa: SLF001 - the step still held, left behind
+    finally:
+        release.set()
 
 
 def test_a_template_refusal_names_messages_once(tiny, tmp_path):

@@ -25,23 +25,28 @@ def tiny(tmp_path_factory):
 
 def test_engine_death_ends_streams_and_fails_health(tiny, monkeypatch):
     engine = AsyncLLMEngine(EngineArgs(tiny, max_model_len=256), served_model_name=MODEL)
+    # The fault is in place before the request is sent: the model's fourth forward pass
+    # raises, so the stream has its first three tokens and then dies, on any machine's speed
+    # (a fault installed while the stream runs would race the 200 tokens to their end).
+    forward, calls = engine.engine.model.forward, []
+
+    def breaks_on_the_fourth_pass(*args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 4:
+            raise RuntimeError("injected fault in the model")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.engine.model, "forward", breaks_on_the_fourth_pass)
     with serve_in_thread(engine) as base, httpx.Client(base_url=base, timeout=20) as http:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True,
                 "stream": True}
-        events = []
         with http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 3:
-                    def broken(*args, **kwargs):
-                        raise RuntimeError("injected fault in the model")
-
-                    monkeypatch.setattr(engine.engine.model, "forward", broken)
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == 503 and "injected fault" in error["message"]
+        tokens = [json.loads(e)["choices"][0] for e in events[:-2]]
+        assert len(tokens) == 3 and all(c["finish_reason"] is None for c in tokens)
         assert http.get("/health").status_code == 503
         refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
@@ -89,9 +94,34 @@ def test_dead_server_exits_on_sigterm_and_honours_vllm_api_key(tiny, monkeypatch
         assert sigterm_takes_s(server) < 5
 
 
+# ``labkit serve`` whose streams hold after their first event, until the client goes away or
+# the server stops: the stream is still open when SIGTERM comes, however fast the machine
+# (a 1000-token stream might otherwise have ended). The hold is in the HTTP handler, not the
+# engine, so stopping the engine waits out no step.
+SERVE_HOLDING_STREAMS = textwrap.dedent("""
+    import asyncio
+    import sys
+    from labkit import cli
+    from labkit.engine.async_engine import AsyncLLMEngine
+
+    generate = AsyncLLMEngine.generate
+
+    async def held_after_the_first_output(self, *args, **kwargs):
+        stream = generate(self, *args, **kwargs)
+        try:
+            yield await stream.__anext__()
+            await asyncio.Event().wait()  # nothing sets it: held until cancelled
+        finally:
+            await stream.aclose()
+
+    AsyncLLMEngine.generate = held_after_the_first_output
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
 def test_sigterm_with_a_stream_open_exits_within_5_s(tiny):
     port = free_port()
-    command = [sys.executable, "-m", "labkit.cli", "serve", tiny, "--port", str(port),
+    command = [sys.executable, "-c", SERVE_HOLDING_STREAMS, "serve", tiny, "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "1024"]
     with ServerProcess(command, f"http://127.0.0.1:{port}", startup_timeout_s=60) as server:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,

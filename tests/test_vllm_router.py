@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from conftest import paced
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError
@@ -19,7 +20,7 @@ from labkit.engine import write_tiny_model
 from labkit.engine.tokenizer import Tokenizer
 from labkit.harness.vllm_router import POLICIES, router_command, start_router
 from labkit.launch import ServeConfig, labkit_command
-from labkit.process import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port, wait_until
 
 router_args = pytest.importorskip("vllm_router.router_args")
 
@@ -101,7 +102,9 @@ class Fleet:
         # server when the thread that started it ends (PR_SET_PDEATHSIG), so a server
         # started from a pool thread would die with that thread.
         for i in indexes:
-            self.servers[i] = ServerProcess(labkit_command(self.configs[i]),
+            # Paced (20 ms a step at least): a 1000-token story streams for 20 s or more,
+            # so a test finds it running while it looks at the fleet or kills its backend.
+            self.servers[i] = ServerProcess(paced(labkit_command(self.configs[i]), 0.02),
                                             self.configs[i].base_url, startup_timeout_s=60)
             self.servers[i].start()
 
@@ -259,8 +262,8 @@ def test_cache_aware_follows_the_prefix_until_loads_differ(fleet):
             _complete(client, SHARED + "what is paged attention?")
             _complete(client, "Zebras graze.")
             after = fleet.finished()
-            for _ in lines:
-                pass
+    # Leaving the story aborts it on its backend: the fleet is idle again for the next test.
+    wait_until(lambda: fleet.running() == [0, 0], timeout_s=30, what="the story aborted")
     other = 1 - home
     assert after[home] - before[home] == 1   # the shared prefix, to the busy worker
     assert after[other] - before[other] == 1  # the unrelated prompt, to the idle one

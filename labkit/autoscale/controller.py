@@ -235,7 +235,9 @@ class ProcessAutoscaler:
     gets ready), so a broken model directory does not start a process every second.
 
     Use it as a context manager (``with ProcessAutoscaler(...) as scaler:`` starts the
-    replicas and the loop; leaving removes and stops every replica), or start it with
+    replicas and the loop; leaving removes and stops every replica, on Ctrl-C too, and on
+    SIGTERM inside :func:`labkit.process.exit_on_sigterm`; a process killed outright takes its
+    replicas with it, through the parent-death signal), or start it with
     ``run_loop=False`` (``with ProcessAutoscaler(...).start(run_loop=False) as scaler:``)
     and drive :meth:`step` yourself, with whatever ``now`` you like.
     """
@@ -432,14 +434,16 @@ class ProcessAutoscaler:
 
     def _launch(self) -> _Replica:
         cfg = replace(self.serve, port=free_port())
+        # Started from its replica's thread, which lives as long as the replica: the replica
+        # still gets the parent-death signal (PR_SET_PDEATHSIG fires when the *thread* that
+        # forked it exits), so a SIGKILLed autoscaler leaves no replica behind.
         server = ServerProcess(labkit_command(cfg), cfg.base_url,
-                               startup_timeout_s=self.startup_timeout_s)
+                               startup_timeout_s=self.startup_timeout_s,
+                               thread_outlives_server=True)
         replica = _Replica(f"replica-{self._created}", cfg.base_url, server, self._created)
         self._created += 1
         self._replicas.append(replica)
         self._record(replica, "starting")
-        # The thread that starts a replica lives as long as the replica: ServerProcess asks
-        # Linux to SIGTERM the child when its parent *thread* exits (PR_SET_PDEATHSIG).
         replica.thread = threading.Thread(target=self._lifecycle, args=(replica,),
                                           name=f"autoscaler-{replica.name}", daemon=True)
         replica.thread.start()

@@ -15,6 +15,7 @@ from labkit.gateway.prefix_index import PrefixIndex
 from labkit.gateway.plugins import QueueScorer, WeightScorer
 from labkit.gateway.routing import make_router
 from labkit.grading import Feedback, check_number
+from labkit.tutorial.ch05_gateway import tutorial_round_robin
 
 _NOW = 0.0  # the routers here read no clock-dependent state: any time will do
 
@@ -35,16 +36,6 @@ def _check_choice(answer: object, expected: str, *, what: str, choices: Sequence
             return Feedback(False, f"Not quite: {answer!r} is what you get if you "
                                    f"{description}.")
     return Feedback(False, f"Not quite: {answer!r} is not {what}.")
-
-
-def tutorial_round_robin(request_count: int, available: Sequence[str]) -> str:
-    """The tutorial's round robin (``InferenceGateway.select_instance``): the instance at
-    ``request_count % len(available)``, where ``request_count`` was incremented for this
-    request first and ``available`` is whatever is healthy and not full right now."""
-    positive_int("request_count", request_count, at_least=0)
-    if not available:
-        raise ParameterError("available", "available must name at least one instance")
-    return available[request_count % len(available)]
 
 
 def check_round_robin_next(answer: object, urls: Sequence[str] = ("a", "b", "c", "d"),

@@ -9,6 +9,8 @@
 * :mod:`labkit.gateway.backends`: the pool that keeps the endpoints current (scrapes,
   probes, ejection and re-admission);
 * :mod:`labkit.gateway.config`: everything a gateway is told (:class:`GatewayConfig`);
+* :mod:`labkit.gateway.proxy`: one attempt on one backend and the relay of its stream, with
+  the first-byte and stream-idle timeouts;
 * :mod:`labkit.gateway.server`: the OpenAI-compatible streaming proxy (:class:`Gateway`),
   served by ``labkit gateway --backend URL --backend URL``.
 

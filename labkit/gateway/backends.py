@@ -10,9 +10,11 @@ One :class:`~labkit.gateway.endpoints.Endpoint` per backend server, kept current
   Extension's endpoint picker scrapes every 50 ms; our default is in
   :mod:`labkit.gateway.config`).
 * **health**: active ``GET /health`` probes every ``probe_interval_s``, plus passive counting
-  of the requests the gateway forwards (a refused connection, a timeout, a 5xx, a stream
-  cut short). ``eject_after`` consecutive failures eject a backend; while ejected it is only
-  probed, and ``readmit_after`` consecutive successful probes bring it back. The defaults,
+  of the requests the gateway forwards (a refused connection, a 5xx, a stream cut short, and
+  the proxy's first-byte and stream-idle timeouts). A hung backend fails its probes only after
+  ``probe_timeout_s`` each, three times over; its requests time out together, so they usually
+  eject it first. ``eject_after`` consecutive failures eject a backend; while ejected it is
+  only probed, and ``readmit_after`` consecutive successful probes bring it back. The defaults,
   3 and 2, are vllm-router's ``health_failure_threshold`` and ``health_success_threshold``
   (vllm-router 0.1.17, ``vllm_router/router_args.py``).
 * **the gateway's own view**: how many requests it has open on each backend (``in_flight``)
@@ -26,9 +28,12 @@ in :mod:`labkit.gateway.server`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import anyio
 import httpx
 
 from labkit.checks import ParameterError
@@ -92,6 +97,8 @@ class BackendPool:
         self.endpoints: list[Endpoint] = []
         self._client: httpx.AsyncClient | None = None
         self._watchers: dict[Endpoint, tuple[asyncio.Task, asyncio.Task]] = {}
+        # The attempts waiting for their first byte on each endpoint: abandoned on ejection.
+        self._awaiting: dict[Endpoint, set[anyio.CancelScope]] = {}
         for url in urls:
             self.add(url)
 
@@ -115,6 +122,7 @@ class BackendPool:
     def remove(self, endpoint: Endpoint) -> None:
         """Forget ``endpoint``; requests still open on it finish on their own."""
         self.endpoints.remove(endpoint)
+        self._awaiting.pop(endpoint, None)
         for task in self._watchers.pop(endpoint, ()):
             task.cancel()
 
@@ -141,6 +149,23 @@ class BackendPool:
     def closed(endpoint: Endpoint) -> None:
         endpoint.in_flight -= 1
 
+    @contextlib.contextmanager
+    def until_first_byte(self, endpoint: Endpoint,
+                         timeout_s: float | None) -> Iterator[anyio.CancelScope]:
+        """The cancel scope an attempt waits for ``endpoint``'s first byte in: it expires
+        after ``timeout_s`` seconds (never when ``None``), and :meth:`record_failure`
+        cancels it at once if the wait outlasts the endpoint's health. The attempt reads
+        ``cancelled_caught`` and the deadline to tell the two apart."""
+        deadline = math.inf if timeout_s is None else anyio.current_time() + timeout_s
+        scope = anyio.CancelScope(deadline=deadline)
+        waiting = self._awaiting.setdefault(endpoint, set())
+        waiting.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            waiting.discard(scope)
+
     @staticmethod
     def record_ttft(endpoint: Endpoint, ttft_s: float) -> None:
         """Fold one measured time to first token (seconds) into ``endpoint.ttft_ewma_s``."""
@@ -162,11 +187,16 @@ class BackendPool:
                 self._on_readmit(endpoint)
 
     def record_failure(self, endpoint: Endpoint) -> None:
-        """A request or probe that failed: refused, timed out, 5xx, or cut short."""
+        """A request or probe that failed: refused, timed out, 5xx, or cut short. The
+        ``eject_after``-th in a row ejects the endpoint, and the attempts still waiting for
+        its first byte are abandoned (their clients have seen nothing: the gateway retries
+        them elsewhere at once instead of at their timeout)."""
         endpoint.consecutive_successes = 0
         endpoint.consecutive_failures += 1
         if endpoint.healthy and endpoint.consecutive_failures >= self.config.eject_after:
             endpoint.healthy = False
+            for scope in self._awaiting.pop(endpoint, ()):
+                scope.cancel()
             if self._on_eject is not None:
                 self._on_eject(endpoint)
 

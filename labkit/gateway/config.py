@@ -10,6 +10,7 @@ it. Each default names where it comes from.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from labkit.checks import ParameterError, in_range, positive_int
@@ -22,9 +23,31 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 #: vllm-router's HTTP client (vllm-project/router ``src/server.rs``): connect timeout 10 s,
 #: whole-request timeout ``request_timeout_secs`` = 1800 s (vllm-router 0.1.17,
 #: ``router_args.py``). We bound each read instead of the whole request (a long stream is
-#: fine as long as tokens keep coming); 1800 s keeps that bound as loose as theirs.
+#: fine as long as tokens keep coming); 1800 s keeps that bound as loose as theirs. It is the
+#: only bound on a non-streamed answer, which vLLM sends whole when it is complete: before
+#: then a long answer and a hung backend look the same.
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 1800.0
+#: Ours. How long one attempt of a streamed request may wait for its first event (the
+#: backend's queue, then the prompt's prefill) before the gateway gives up on that backend
+#: and tries another: nothing has reached the client, so the retry cannot duplicate a token.
+#: A 128k-token prompt on Llama-3-70B is about 4e16 FLOPs of prefill (2 x parameters per
+#: token, plus about as much again for causal attention at that length: 2 x layers x
+#: length^2 x hidden size), some 20 s on four H100s at half their dense BF16 peak; 60 s
+#: leaves room for a queue too. Envoy (docs/root/faq/configuration/timeouts.rst): its route
+#: ``timeout`` (15 s by default, until the response is complete) "will need to be disabled"
+#: for streaming responses; its ``per_try_timeout`` is the per-attempt analogue of this one,
+#: but it ends once response headers arrive, and vLLM sends a stream's headers before its
+#: first token: a backend stuck in its queue would pass it. Ours waits for the first event.
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
+#: Ours. How long a relayed stream may go without a byte before the gateway cuts it, with
+#: the same error event as a crash. A healthy stream's gaps are one decode step (10-100 ms),
+#: or one chunked-prefill step of another request when it is scheduled beside them (vLLM caps
+#: a step's tokens, so well under a second on a GPU); 10 s is a hundred of those. Envoy's
+#: ``stream_idle_timeout`` (5 min by default) and its route's ``idle_timeout`` and
+#: ``per_try_idle_timeout`` play this role for generic traffic. Shorter than the probes'
+#: 3 x 5 s, so a hung backend that was streaming is noticed by its streams first.
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 10.0
 
 #: The Gateway API Inference Extension's endpoint picker scrapes every 50 ms
 #: (``defaultRefreshMetricsInterval``, kubernetes-sigs/gateway-api-inference-extension,
@@ -62,7 +85,10 @@ class GatewayConfig:
       ``session_header`` names the header that carries a session id (consistent hashing);
     * **the proxy**: ``api_key`` (if set) is required on ``/v1`` and the admin routes; bodies
       over ``max_request_bytes`` get 413; each attempt waits at most ``connect_timeout_s`` to
-      connect and ``read_timeout_s`` for each read;
+      connect and ``read_timeout_s`` for each read; a streamed attempt waits at most
+      ``first_byte_timeout_s`` for its first event (then the request goes to another
+      backend) and a relayed stream at most ``stream_idle_timeout_s`` between two reads (then
+      it is cut with an error event); each timeout counts as a failure of the backend;
     * **the pool** (:class:`~labkit.gateway.backends.BackendPool`): each backend's
       ``/metrics`` is scraped every ``scrape_interval_s`` and its ``/health`` probed every
       ``probe_interval_s``, each within ``probe_timeout_s``; ``eject_after`` consecutive
@@ -80,6 +106,8 @@ class GatewayConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
     scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S
     probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
@@ -96,8 +124,9 @@ class GatewayConfig:
             raise ParameterError("session_header", "session_header must be a header name, "
                                                    f"got {self.session_header!r}")
         positive_int("max_request_bytes", self.max_request_bytes)
-        for name in ("connect_timeout_s", "read_timeout_s", "scrape_interval_s",
-                     "probe_interval_s", "probe_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "first_byte_timeout_s",
+                     "stream_idle_timeout_s", "scrape_interval_s", "probe_interval_s",
+                     "probe_timeout_s"):
             in_range(name, getattr(self, name), 0, low_open=True)
         positive_int("eject_after", self.eject_after)
         positive_int("readmit_after", self.readmit_after)
@@ -109,3 +138,28 @@ class GatewayConfig:
         """Seconds after which a backend's scraped figures are stale: upstream's ratio,
         ``STALE_AFTER_INTERVALS`` scrape intervals, at this gateway's interval."""
         return STALE_AFTER_INTERVALS * self.scrape_interval_s
+
+
+def check_exposure(host: str, api_key: str | None, open_admin_routes: bool = False) -> None:
+    """Refuse to serve the admin routes unprotected beyond this machine (chapter 5).
+
+    ``POST /add_worker`` makes the gateway send its clients' requests, prompts and all, to
+    any URL it is given: on a shared network, anyone who can reach an open gateway can add a
+    server of their own and read every prompt, or point it at an internal address only the
+    gateway can reach. Bound to a loopback address (the default) only this machine can; any
+    other ``host`` needs an ``api_key`` (which guards ``/v1`` and the admin routes) or an
+    explicit ``open_admin_routes``. Raises :class:`~labkit.checks.ParameterError` naming
+    ``host``.
+    """
+    if api_key or open_admin_routes:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        loopback = False
+    if not loopback:
+        raise ParameterError(
+            "host", f"binding {host!r} would open the admin routes (/add_worker, "
+                    "/remove_worker) to the network, and /add_worker sends clients' requests "
+                    "to any URL it is given: pass --api-key KEY to guard them, or "
+                    "--open-admin-routes to open them on purpose")

@@ -10,12 +10,40 @@ strategy is tested without a server.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+#: The figures a backend reports (its ``/metrics``) or the gateway measures, and the range a
+#: sane value lies in. A value outside it (``NaN``, infinite, a negative count, a KV-cache
+#: usage above 1) says nothing true about the backend: the endpoint stores it as unknown
+#: (``None``), exactly as if that scrape had not happened, so every filter and scorer treats
+#: it as it treats a backend it has not heard from.
+REPORTED_RANGES = {
+    "num_requests_waiting": (0.0, math.inf),
+    "num_requests_running": (0.0, math.inf),
+    "kv_cache_usage": (0.0, 1.0),
+    "prefix_cache_queries": (0.0, math.inf),
+    "prefix_cache_hits": (0.0, math.inf),
+    "ttft_ewma_s": (0.0, math.inf),
+}
+
+
+def known(field: str, value: float | None) -> float | None:
+    """``value`` if it is a finite number within ``REPORTED_RANGES[field]``, else ``None``
+    (unknown)."""
+    low, high = REPORTED_RANGES[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and low <= value <= high else None
 
 
 @dataclass(eq=False)
 class Endpoint:
-    """One backend server as the gateway sees it."""
+    """One backend server as the gateway sees it. The reported figures
+    (:data:`~labkit.gateway.endpoints.REPORTED_RANGES`) go through
+    :func:`~labkit.gateway.endpoints.known` whenever they are set: a router never
+    sees ``NaN`` or an impossible value, only a number or ``None``."""
 
     url: str                                 # base URL, e.g. "http://127.0.0.1:8001"
     weight: float = 1.0                      # for the weighted strategies
@@ -33,6 +61,11 @@ class Endpoint:
     ttft_ewma_s: float | None = None           # the gateway's own TTFT average for it
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in REPORTED_RANGES:
+            value = known(name, value)
+        super().__setattr__(name, value)
 
     @property
     def routable(self) -> bool:
@@ -60,6 +93,7 @@ class RoutingRequest:
     model: str | None
     prompt: str                  # the prompt, or the chat messages' contents joined in order
     session: str | None = None   # the session-affinity header's value, if sent
+    stream: bool = False         # the client asked for a stream ("stream": true)
 
 
 class NoEndpointError(Exception):

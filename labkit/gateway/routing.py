@@ -14,7 +14,8 @@ commit 520af478 of 2026-05-17, and kubernetes-sigs/gateway-api-inference-extensi
    saturated);
 2. **scorers** give each remaining endpoint a score in [0, 1]; the pipeline adds them up, each
    times its weight (clamped to [0, 1] first, as ``enforceScoreRange`` in
-   ``pkg/epp/scheduling/scheduler_profile.go`` does);
+   ``pkg/epp/scheduling/scheduler_profile.go`` does; a score that is not a finite number
+   counts as 0);
 3. a **picker** chooses one endpoint from the totals.
 
 The routers only read :class:`~labkit.gateway.endpoints.Endpoint` records that the proxy keeps
@@ -57,6 +58,7 @@ prefix_aware       the same with the prefix scorer's weight raised from 3 to 5
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -159,7 +161,10 @@ class Pipeline(Router):
         totals = [0.0] * len(candidates)
         for scorer, weight in self.scorers:
             for i, score in enumerate(scorer.score(request, candidates, now)):
-                totals[i] += weight * min(max(score, 0.0), 1.0)
+                # A score that is not a number says nothing: it counts as 0, as unknown
+                # figures do in every scorer (NaN would otherwise win or lose every compare).
+                totals[i] += weight * (min(max(score, 0.0), 1.0) if math.isfinite(score)
+                                       else 0.0)
         return list(zip(candidates, totals, strict=True))
 
     def pick(self, request: RoutingRequest, endpoints: Sequence[Endpoint],

@@ -9,22 +9,27 @@ The backends are replicas of one deployment (vllm-router's regular mode assumes 
 ``GET /v1/models`` is the union of their models. ``GET /health`` is 200 while some backend is
 routable and 503 otherwise; ``GET /metrics`` exposes the gateway's own Prometheus metrics.
 
-What happens when things break:
+What happens when things break (:mod:`labkit.gateway.proxy` runs each attempt):
 
-* a backend that refuses the connection, times out, or answers 5xx **before anything reached
-  the client** is counted as a failure and the request goes to another backend (each backend
-  at most once per request). A stream counts as started once its first event has arrived:
-  until then nothing was sent to the client, so a retry cannot duplicate a token;
-* a stream cut after that (the backend died) ends with an error event, ``data: {"error":
-  {...}}``, then ``data: [DONE]``, the way vLLM reports an error in a running stream (its
-  ``completion_stream_generator`` in ``vllm/entrypoints/openai/serving_completion.py`` yields
+* a backend that refuses the connection, answers 5xx, sends no first event within
+  ``first_byte_timeout_s`` (a streamed request), or is ejected while the request waits,
+  **before anything reached the client**, is counted as a failure and the request goes to
+  another backend (each backend at most once per request). A stream counts as started once
+  its first event has arrived: until then nothing was sent to the client, so a retry cannot
+  duplicate a token;
+* a stream cut after that (the backend died, or sent nothing for ``stream_idle_timeout_s``:
+  it hangs) ends with an error event, ``data: {"error": {...}}``, then ``data: [DONE]``, the
+  way vLLM reports an error in a running stream (its ``completion_stream_generator`` in
+  ``vllm/entrypoints/openai/serving_completion.py`` yields
   ``create_streaming_error_response`` and then ``[DONE]``). Only whole events are relayed,
   so the client never sees half an event;
-* no routable backend: 503 with an OpenAI error body; every candidate saturated (the
-  endpoint picker's saturation detector): 429 with ``Retry-After``;
+* no routable backend: 503 with an OpenAI error body (504 when every backend tried timed
+  out); every candidate saturated (the endpoint picker's saturation detector): 429 with
+  ``Retry-After``;
 * an optional API key (vLLM's ``Authorization: Bearer`` scheme) guards ``/v1`` and the admin
   routes (401 without it), bodies over ``max_request_bytes`` get 413, and the CLI binds to
-  127.0.0.1 unless told otherwise.
+  127.0.0.1 unless told otherwise (and then asks for the key, or for the admin routes to be
+  declared open: :func:`labkit.gateway.config.check_exposure`).
 
 Admin routes mirror vllm-router's dynamic worker API (vllm-project/router ``src/server.rs``;
 the same routes and messages are in the 0.1.17 wheel's ``vllm_router_rs`` library), so an
@@ -49,12 +54,12 @@ import functools
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -63,15 +68,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from starlette.types import Receive, Scope, Send
 
 from labkit.checks import ParameterError, in_range
 from labkit.gateway.backends import BackendPool
 from labkit.gateway.config import GatewayConfig
 from labkit.gateway.endpoints import Endpoint, NoEndpointError, RoutingRequest, SaturatedError
+from labkit.gateway.proxy import TIMEOUT_KINDS, Attempt, BackendFailed
 from labkit.gateway.routing import Router, make_router
-from labkit.http.openai import APIError, APIKeyAuthentication, add_error_handlers, error_body
-from labkit.http.sse import DONE_BYTES, event_bytes
+from labkit.http.openai import APIError, APIKeyAuthentication, add_error_handlers
 from labkit.http.urls import normalize_url
 
 #: vllm-router keeps up to 500 idle connections per host (``pool_max_idle_per_host`` in
@@ -83,9 +87,6 @@ KEEPALIVE_CONNECTIONS, KEEPALIVE_EXPIRY_S = 500, 2.0
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ADMIN_PATHS = ("/add_worker", "/remove_worker", "/list_workers", "/workers")
-# Hop-by-hop and framing headers: each side of the proxy sets its own (RFC 9110, 7.6.1).
-_NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-length", "date",
-                  "server", "te", "trailer", "upgrade", "proxy-authenticate"}
 
 
 def routing_request(body: bytes, session: str | None = None) -> RoutingRequest:
@@ -117,7 +118,8 @@ def routing_request(body: bytes, session: str | None = None) -> RoutingRequest:
         parts = [prompt]  # one prompt: text, or a list of token ids
     text = "\n".join(" ".join(map(str, p)) if isinstance(p, list) else str(p)
                      for p in parts if isinstance(p, (str, int, list)))
-    return RoutingRequest(model if isinstance(model, str) else None, text, session)
+    return RoutingRequest(model if isinstance(model, str) else None, text, session,
+                          stream=payload.get("stream") is True)
 
 
 class GatewayMetrics:
@@ -140,6 +142,10 @@ class GatewayMetrics:
         self.streams_cut = Counter(
             "labkit_gateway_streams_cut", "Streams that this backend cut short; the client got "
             "an error event.", ["backend"], registry=r)
+        self.timeouts = Counter(
+            "labkit_gateway_timeouts", "Attempts that timed out on this backend: kind "
+            "'first_byte' (retried elsewhere) or 'stream_idle' (the stream was cut).",
+            ["backend", "kind"], registry=r)
         self.ejections = Counter("labkit_gateway_ejections", "Backends ejected after "
                                  "consecutive failures.", ["backend"], registry=r)
         self.readmissions = Counter("labkit_gateway_readmissions", "Ejected backends "
@@ -155,7 +161,9 @@ class GatewayMetrics:
             registry=r)
 
     def watch(self, endpoint: Endpoint) -> None:
-        """Export ``endpoint``'s live in-flight count and health."""
+        """Export ``endpoint``'s live in-flight count and health, and its timeouts from 0."""
+        for kind in TIMEOUT_KINDS:
+            self.timeouts.labels(endpoint.url, kind)
         self.in_flight.labels(endpoint.url).set_function(lambda: endpoint.in_flight)
         self.healthy.labels(endpoint.url).set_function(lambda: float(endpoint.healthy))
 
@@ -189,7 +197,7 @@ class Gateway:
                                 on_readmit=self._readmitted)
         for endpoint in self.pool.endpoints:
             self.metrics.watch(endpoint)
-        self._client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None
         self.app = self._build_app()
 
     def _ejected(self, endpoint: Endpoint) -> None:
@@ -209,13 +217,13 @@ class Gateway:
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(timeout=self.timeout, limits=limits,
                                      trust_env=False) as client:
-            self._client = client
+            self.client = client
             await self.pool.start(client)
             try:
                 yield
             finally:
                 await self.pool.stop()
-                self._client = None
+                self.client = None
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="labkit gateway", docs_url=None, redoc_url=None, openapi_url=None,
@@ -276,7 +284,7 @@ class Gateway:
         if self.pool.get(url) is not None:
             raise APIError(400, f"Worker already exists: {url}", "url")
         deadline = time.monotonic() + self.config.worker_startup_timeout_s
-        while not await self.pool.healthy_now(self._client, url):
+        while not await self.pool.healthy_now(self.client, url):
             if time.monotonic() >= deadline:
                 raise APIError(400, f"Failed to add worker {url}: not healthy after "
                                         f"{self.config.worker_startup_timeout_s:g} s", "url")
@@ -308,7 +316,7 @@ class Gateway:
         """The union of the routable backends' ``/v1/models``, first listing first."""
         endpoints = self.pool.routable()
         answers = await asyncio.gather(
-            *(self._client.get(e.url + "/v1/models", timeout=self.config.probe_timeout_s)
+            *(self.client.get(e.url + "/v1/models", timeout=self.config.probe_timeout_s)
               for e in endpoints), return_exceptions=True)
         by_id: dict[str, dict] = {}
         answered = False
@@ -326,38 +334,48 @@ class Gateway:
     async def forward(self, request: Request, *, path: str) -> Response:
         """Send the request to a backend the router picks, retrying on another one while
         nothing has reached the client, and relay the answer."""
-        arrived = time.perf_counter()
+        arrived = anyio.current_time()
         body = await _read_body(request, self.config.max_request_bytes)
         routing = routing_request(body, request.headers.get(self.session_header))
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         tried: set[Endpoint] = set()
-        failed: Endpoint | None = None
-        last_5xx: Response | None = None
+        failures: list[BackendFailed] = []
         while True:
             candidates = [e for e in self.pool.endpoints if e not in tried]
             try:
                 endpoint = self.router.pick(routing, candidates, time.monotonic())
             except NoEndpointError as err:
-                if last_5xx is not None:  # every backend failed: pass the last answer on
-                    self.metrics.requests.labels(failed.url, str(last_5xx.status_code)).inc()
-                    return last_5xx
-                detail = "every backend tried failed" if tried else str(err)
-                raise APIError(503, f"no backend can take the request: {detail}") from None
+                return self._no_backend(err, failures)
             except SaturatedError as err:
                 raise APIError(429, str(err), headers={
                     "Retry-After": str(max(1, math.ceil(err.retry_after_s)))}) from None
-            if failed is not None:
-                self.metrics.retries.labels(failed.url).inc()
+            if failures:
+                self.metrics.retries.labels(failures[-1].endpoint.url).inc()
             tried.add(endpoint)
-            attempt = _Attempt(self, endpoint, path, body, headers)
             try:
-                response = await attempt.run(routing, arrived)
-            except _BackendFailed as failure:
-                failed, last_5xx = endpoint, failure.response or last_5xx
-                continue
-            return response
+                return await Attempt(self, endpoint, path, body, headers).run(routing, arrived)
+            except BackendFailed as failure:
+                failures.append(failure)
 
-    def _release(self, endpoint: Endpoint, status: str, *, ok: bool | None) -> None:
+    def _no_backend(self, err: NoEndpointError, failures: list[BackendFailed]) -> Response:
+        """The answer when no backend is left to try: the last backend's own 5xx if one
+        answered; else an :class:`APIError`, 504 when every attempt timed out, 503 otherwise,
+        whose message says what each attempt met."""
+        answered = [f for f in failures if f.response is not None]
+        if answered:
+            last = answered[-1]
+            self.metrics.requests.labels(last.endpoint.url,
+                                         str(last.response.status_code)).inc()
+            return last.response
+        if not failures:
+            raise APIError(503, f"no backend can take the request: {err}")
+        why = "; ".join(f.why for f in failures)
+        if all(f.timed_out for f in failures):
+            raise APIError(504, f"every backend tried timed out: {why}")
+        raise APIError(503, f"no backend can take the request: every backend tried failed: "
+                            f"{why}")
+
+    def release(self, endpoint: Endpoint, status: str, *, ok: bool | None) -> None:
         """Close the books on one request: in-flight count, passive health, metrics.
         ``ok`` None: the client left, which says nothing about the backend."""
         self.pool.closed(endpoint)
@@ -366,143 +384,6 @@ class Gateway:
         elif ok is False:
             self.pool.record_failure(endpoint)
         self.metrics.requests.labels(endpoint.url, status).inc()
-
-
-class _BackendFailed(Exception):
-    """This attempt failed before anything reached the client: try another backend.
-    ``response`` is the backend's own 5xx answer, if it gave one."""
-
-    def __init__(self, response: Response | None = None) -> None:
-        super().__init__()
-        self.response = response
-
-
-class _Attempt:
-    """One try of one request on one backend."""
-
-    def __init__(self, gateway: Gateway, endpoint: Endpoint, path: str, body: bytes,
-                 headers: dict[str, str]) -> None:
-        self.gateway, self.endpoint = gateway, endpoint
-        self.path, self.body, self.headers = path, body, headers
-
-    async def run(self, routing: RoutingRequest, arrived: float) -> Response:
-        gateway, endpoint, pool = self.gateway, self.endpoint, self.gateway.pool
-        client = gateway._client
-        pool.opened(endpoint)
-        sent = time.perf_counter()
-        upstream = None
-        try:
-            upstream = await client.send(client.build_request(
-                "POST", endpoint.url + self.path, content=self.body, headers=self.headers),
-                stream=True)
-            chunks = upstream.aiter_raw()
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                first = await anext(chunks)  # the stream starts only with its first event
-                pool.record_ttft(endpoint, time.perf_counter() - sent)
-            else:
-                first = b"".join([chunk async for chunk in chunks])
-                chunks = None
-        except (httpx.TransportError, StopAsyncIteration):
-            pool.closed(endpoint)
-            pool.record_failure(endpoint)
-            await _close(upstream)
-            raise _BackendFailed() from None
-        except BaseException:  # cancelled: the server is shutting down
-            pool.closed(endpoint)
-            await _close(upstream)
-            raise
-        headers = {k: v for k, v in upstream.headers.items() if k not in _NOT_FORWARDED}
-        if upstream.status_code >= 500:
-            pool.closed(endpoint)
-            pool.record_failure(endpoint)
-            await _close(upstream)
-            raise _BackendFailed(Response(first, upstream.status_code, headers))
-        gateway.router.record(routing, endpoint)
-        gateway.metrics.added_latency.observe(sent - arrived)
-        if chunks is None:
-            gateway._release(endpoint, str(upstream.status_code), ok=True)
-            await _close(upstream)
-            return Response(first, upstream.status_code, headers)
-        relay = _Relay(gateway, endpoint, upstream, chunks, first)
-        return _RelayResponse(relay, upstream.status_code, headers)
-
-
-async def _close(upstream: httpx.Response | None) -> None:
-    """Close a backend response, shielded: this runs when the request is being cancelled
-    (the client left), and an interrupted close would leave the connection half-read."""
-    if upstream is not None:
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
-
-
-class _Relay:
-    """One server-sent-event stream relayed from a backend to the client, whole events only.
-
-    The backend's bytes are cut at event boundaries (a blank line) and each complete event
-    goes out as soon as it is complete, so a stream cut mid-event never shows the client half
-    an event before the error event.
-    """
-
-    def __init__(self, gateway: Gateway, endpoint: Endpoint, upstream: httpx.Response,
-                 chunks: AsyncIterator[bytes], first: bytes) -> None:
-        self.gateway, self.endpoint, self.upstream = gateway, endpoint, upstream
-        self.chunks, self.first = chunks, first
-        self.outcome: tuple[str, bool | None] = ("499", None)  # until the stream ends
-        self._closed = False
-
-    async def events(self) -> AsyncIterator[bytes]:
-        pending, done = b"", False
-        try:
-            chunk = self.first
-            while True:
-                pending += chunk
-                end = pending.rfind(b"\n\n") + 2
-                if end > 1:
-                    complete, pending = pending[:end], pending[end:]
-                    done = complete.endswith(DONE_BYTES)
-                    yield complete
-                try:
-                    chunk = await anext(self.chunks)
-                except StopAsyncIteration:
-                    break
-            if not done:
-                raise httpx.RemoteProtocolError("the stream ended before data: [DONE]")
-            self.outcome = (str(self.upstream.status_code), True)
-        except httpx.TransportError as err:
-            self.outcome = (str(self.upstream.status_code), False)
-            self.gateway.metrics.streams_cut.labels(self.endpoint.url).inc()
-            message = (f"the backend {self.endpoint.url} failed in the middle of the stream "
-                       f"({type(err).__name__}: {err}); the response is incomplete")
-            yield event_bytes(error_body(502, message))
-            yield DONE_BYTES
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        """Close the books and the upstream response (the backend aborts the request if it
-        still runs), exactly once, however the stream ended."""
-        if self._closed:
-            return
-        self._closed = True
-        status, ok = self.outcome
-        self.gateway._release(self.endpoint, status, ok=ok)
-        await _close(self.upstream)
-
-
-class _RelayResponse(StreamingResponse):
-    """A streaming response that closes its relay whatever happens, client disconnects
-    included (Starlette then cancels the task that iterates the events, which may leave the
-    generator suspended and its ``finally`` unrun)."""
-
-    def __init__(self, relay: _Relay, status_code: int, headers: dict[str, str]) -> None:
-        super().__init__(relay.events(), status_code=status_code, headers=headers)
-        self.relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.relay.close()
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

@@ -9,13 +9,14 @@ gateway in front (:func:`start_gateway`, a ``labkit gateway`` process; vllm-rout
 
 from __future__ import annotations
 
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.gateway.routing import STRATEGIES
 from labkit.launch import ServeConfig, command_for
-from labkit.process import ServerProcess, free_port, kill_group
+from labkit.process import ServerProcess, free_port, kill_group, signal_group
 
 
 class BackendFleet:
@@ -24,7 +25,8 @@ class BackendFleet:
     ``max_num_seqs`` sizes each backend's running batch: one number for all, or one per
     backend (a smaller one stands in for a weaker GPU), ``None`` for the engine's default.
     Start it with :meth:`start` or ``with``; :meth:`kill` crashes one (SIGKILL to its
-    process group: no graceful shutdown), :meth:`restart` starts it again on the same port,
+    process group: no graceful shutdown), :meth:`pause` hangs one (SIGSTOP) until
+    :meth:`resume`, :meth:`restart` starts it again on the same port,
     :meth:`stop` stops them all. Start and restart from the thread that will outlive the
     servers: :class:`~labkit.process.ServerProcess` asks Linux to stop a server when the
     thread that started it ends.
@@ -80,6 +82,21 @@ class BackendFleet:
             raise ParameterError("i", f"backend {i} is not running")
         kill_group(self.servers[i].process)
 
+    def pause(self, i: int) -> None:
+        """Hang backend ``i``: SIGSTOP to its process group. It stays alive and its port
+        keeps accepting connections (the kernel completes the handshake), but nothing
+        answers: a wedged GPU, a process swapped out, a partition. :meth:`resume` ends it."""
+        self._signal(i, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """End :meth:`pause`: SIGCONT to backend ``i``'s process group."""
+        self._signal(i, signal.SIGCONT)
+
+    def _signal(self, i: int, sig: signal.Signals) -> None:
+        if not self.alive(i):
+            raise ParameterError("i", f"backend {i} is not running")
+        signal_group(self.servers[i].process.pid, sig)
+
     def restart(self, i: int) -> None:
         """Start backend ``i`` again on its port (with empty caches and counters at 0) and
         wait until it answers ``/health``."""
@@ -90,9 +107,12 @@ class BackendFleet:
                                         self.startup_timeout_s).start()
 
     def stop(self) -> None:
-        """Stop every backend (SIGTERM, SIGKILL after a grace period)."""
-        for server in self.servers:
+        """Stop every backend (SIGTERM, SIGKILL after a grace period); a paused one is
+        resumed first, since a stopped process cannot handle its SIGTERM."""
+        for i, server in enumerate(self.servers):
             if server is not None:
+                if self.alive(i):
+                    self.resume(i)
                 server.stop()
 
     def restart_all(self) -> None:
@@ -115,11 +135,17 @@ class BackendFleet:
 
 
 def gateway_command(backends: Sequence[str], strategy: str, port: int, *,
-                    seed: int | None = None, host: str = "127.0.0.1") -> list[str]:
+                    seed: int | None = None, host: str = "127.0.0.1",
+                    timeouts: Mapping[str, float] | None = None) -> list[str]:
     """The ``labkit gateway`` command line in front of ``backends`` with ``strategy`` (one of
-    ``labkit.gateway.STRATEGIES``), run with this Python (chapter 5)."""
-    if not backends:
-        raise ParameterError("backends", "backends must name at least one server URL")
+    ``labkit.gateway.STRATEGIES``), run with this Python (chapter 5). With no ``backends`` the
+    gateway starts empty, for an autoscaler to fill through ``/add_worker``. ``timeouts``
+    maps ``first_byte`` and ``stream_idle`` to seconds (the gateway's defaults otherwise)."""
+    timeouts = dict(timeouts or {})
+    unknown = set(timeouts) - {"first_byte", "stream_idle"}
+    if unknown:
+        raise ParameterError("timeouts", f"timeouts takes first_byte and stream_idle, got "
+                                         f"{sorted(unknown)}")
     if strategy not in STRATEGIES:
         raise ParameterError("strategy", f"strategy must be one of {', '.join(STRATEGIES)}, "
                                          f"got {strategy!r}")
@@ -128,6 +154,9 @@ def gateway_command(backends: Sequence[str], strategy: str, port: int, *,
                "--host", host, "--port", str(port)]
     if seed is not None:
         command += ["--seed", str(seed)]
+    for kind, seconds in timeouts.items():
+        command += [f"--{kind.replace('_', '-')}-timeout",
+                    str(in_range(f"timeouts[{kind!r}]", seconds, 0, low_open=True))]
     for url in backends:
         command += ["--backend", url]
     return command
@@ -135,9 +164,13 @@ def gateway_command(backends: Sequence[str], strategy: str, port: int, *,
 
 def start_gateway(backends: Sequence[str], strategy: str = "endpoint_picker", *,
                   seed: int | None = 0, port: int | None = None,
+                  timeouts: Mapping[str, float] | None = None,
                   startup_timeout_s: float = 60) -> ServerProcess:
     """Start ``labkit gateway`` on a free loopback port and return it, started, once
-    ``/health`` says a backend is routable; stop it with ``stop()`` (chapter 5)."""
+    ``/health`` says a backend is routable (with no ``backends``, once its admin API
+    answers: ``/health`` is 503 until one is added); stop it with ``stop()`` (chapter 5)."""
     port = free_port() if port is None else port
-    return ServerProcess(gateway_command(backends, strategy, port, seed=seed),
-                         f"http://127.0.0.1:{port}", startup_timeout_s).start()
+    return ServerProcess(gateway_command(backends, strategy, port, seed=seed,
+                                         timeouts=timeouts),
+                         f"http://127.0.0.1:{port}", startup_timeout_s,
+                         ready_path="/health" if backends else "/list_workers").start()

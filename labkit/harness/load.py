@@ -56,14 +56,16 @@ class BalanceRun:
 
 
 async def run_requests(base_url: str, model: str, requests: Sequence[BenchRequest], *,
-                       concurrency: int = 8, timeout_s: float = 120) -> list[StreamResult]:
+                       concurrency: int = 8, timeout_s: float | None = 120,
+                       deadline_s: float | None = None) -> list[StreamResult]:
     """Stream ``requests`` to ``base_url``, ``concurrency`` at a time (a closed loop: a new
-    one leaves when one ends), and return how each ended, in order."""
+    one leaves when one ends), and return how each ended, in order. ``timeout_s`` bounds
+    each read, ``deadline_s`` each request (then it is ``hung``)."""
     async with client_pool(base_url, concurrency, timeout_s) as (client, gate):
         async def one(request: BenchRequest) -> StreamResult:
             async with gate:
                 return await stream_completion(client, model, request.prompt,
-                                               request.max_tokens)
+                                               request.max_tokens, deadline_s=deadline_s)
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 

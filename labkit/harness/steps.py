@@ -12,7 +12,6 @@ timeline lines up with the autoscaler's ``history`` and ``events``.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass
 
@@ -22,20 +21,9 @@ from labkit.autoscale.controller import READY, STARTING, STOPPED, ProcessAutosca
 from labkit.autoscale.observation import Policy
 from labkit.checks import in_range, positive_int
 from labkit.http.client import StreamResult, client_pool, stream_completion
+from labkit.harness.fleet import gateway_command
 from labkit.launch import ServeConfig
 from labkit.process import ServerProcess, free_port, group_alive
-
-
-def empty_gateway_command(port: int, strategy: str = "least_requests") -> list[str]:
-    """A :class:`labkit.gateway.Gateway` with no backends on ``127.0.0.1:port``, run with this
-    Python: the autoscaler adds and removes them through its admin API (``/add_worker``,
-    ``/remove_worker``). ``labkit gateway`` asks for at least one ``--backend``, so this
-    serves the gateway's app directly."""
-    in_range("port", port, 1, 65535)
-    code = ("import sys, uvicorn; from labkit.gateway import Gateway, GatewayConfig; "
-            "uvicorn.run(Gateway([], GatewayConfig(sys.argv[2])).app, host='127.0.0.1', "
-            "port=int(sys.argv[1]), log_level='warning')")
-    return [sys.executable, "-c", code, str(port), strategy]
 
 
 class AutoscaledFleet:
@@ -52,7 +40,7 @@ class AutoscaledFleet:
     def __init__(self, policy: Policy, serve: ServeConfig, *, max_replicas: int = 3,
                  drain_timeout_s: float = 10.0, strategy: str = "least_requests") -> None:
         port = free_port()
-        self.gateway = ServerProcess(empty_gateway_command(port, strategy),
+        self.gateway = ServerProcess(gateway_command([], strategy, port),
                                      f"http://127.0.0.1:{port}", startup_timeout_s=60,
                                      ready_path="/list_workers")
         self.scaler = ProcessAutoscaler(self.gateway.base_url, policy, serve,

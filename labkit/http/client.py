@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from labkit.checks import positive_int
+from labkit.checks import in_range, positive_int
 from labkit.http.sse import IncompleteStream, read_events
 
 #: Connections beyond ``concurrency`` in a :func:`client_pool`: a load that also reads the
@@ -28,8 +28,14 @@ from labkit.http.sse import IncompleteStream, read_events
 #: (a crash experiment waits for a running request that way) needs a few more.
 SPARE_CONNECTIONS = 4
 
+#: Seconds an idle pooled connection is kept: less than the servers' own keep-alive timeout
+#: (uvicorn's, and so ``labkit serve``'s, the gateway's and vLLM's, is 5 s, as is httpx's
+#: default expiry). Reusing a connection at the instant the server closes it fails the request
+#: with a ``ReadError`` that no server-side fault caused.
+KEEPALIVE_EXPIRY_S = 1.0
+
 #: How a streamed request can end, seen from the client (:class:`StreamResult`).
-OUTCOMES = ("complete", "cut", "broken", "lost", "shed")
+OUTCOMES = ("complete", "cut", "broken", "lost", "shed", "hung")
 
 
 @contextlib.asynccontextmanager
@@ -46,7 +52,8 @@ async def client_pool(base_url: str, concurrency: int, timeout_s: float | None =
                 result = await stream_completion(client, model, prompt, 16)
     """
     positive_int("concurrency", concurrency)
-    limits = httpx.Limits(max_connections=concurrency + SPARE_CONNECTIONS)
+    limits = httpx.Limits(max_connections=concurrency + SPARE_CONNECTIONS,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits,
                                  trust_env=False) as client:
         yield client, asyncio.Semaphore(concurrency)
@@ -62,7 +69,9 @@ class StreamResult:
     * ``broken``: it streamed, then ended without ``[DONE]`` (a truncated body): the client
       cannot tell an incomplete answer from a complete one except by that absence;
     * ``lost``: nothing streamed (a 5xx, a refused or dropped connection);
-    * ``shed``: 429, refused on purpose (``Retry-After`` says when to come back).
+    * ``shed``: 429, refused on purpose (``Retry-After`` says when to come back);
+    * ``hung``: still open when the client's own deadline passed (``deadline_s``), streaming
+      or not: the client gave up on it.
 
     ``ttft_ms`` runs from sending to the first event that carries a choice; ``e2el_ms`` to
     the end of the stream; both are ``None`` when no token came.
@@ -76,11 +85,20 @@ class StreamResult:
 
 
 async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str,
-                            max_tokens: int, *,
-                            headers: Mapping[str, str] | None = None) -> StreamResult:
+                            max_tokens: int, *, headers: Mapping[str, str] | None = None,
+                            deadline_s: float | None = None) -> StreamResult:
     """Send one greedy streamed ``/v1/completions`` request through ``client`` (its base URL
-    is the gateway or server) and classify how it ended (:ref:`ch05-backend-dies`)."""
+    is the gateway or server) and classify how it ended (:ref:`ch05-backend-dies`). After
+    ``deadline_s`` seconds (``None``: never) the client gives up: ``hung``."""
     positive_int("max_tokens", max_tokens)
+    if deadline_s is not None:
+        in_range("deadline_s", deadline_s, 0, low_open=True)
+        try:
+            return await asyncio.wait_for(
+                stream_completion(client, model, prompt, max_tokens, headers=headers),
+                deadline_s)
+        except asyncio.TimeoutError:
+            return StreamResult("hung", error=f"still open after {deadline_s:g} s")
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     start = time.perf_counter()

@@ -6,6 +6,8 @@ numbers instead of printing them; its docstrings say what each piece gets wrong 
 does it right. The chapters' "What the tutorial gets wrong" sections, the labs and the tests call
 them to show each error as a number, never to compute anything else:
 
+- :mod:`~labkit.tutorial.ch05_gateway`: its gateway's round robin
+  (:ref:`ch05-choosing-backend`);
 - :mod:`~labkit.tutorial.ch05_autoscaling`: its ``AutoScaler`` and its demo
   (:ref:`ch05-tutorial-wrong`);
 - :mod:`~labkit.tutorial.ch06_cost`: its cost calculator (:ref:`ch06-tutorial-wrong`);
