@@ -4,7 +4,7 @@
 #              (labkit doctor), then labkit's tests, nbval on every lab and the book build
 # make test-fast - the inner loop for every edit: the tests that need no lab, book build or real
 #                  engine and are not slow, on every core, in under 3 minutes (warm .venv)
-# make test-busy - the gateway, autoscaler and monitor tests twice: idle, then every core busy
+# make test-busy - the gateway, autoscaler and monitor tests again, with every core busy
 # make test-engines - check launch flags against vLLM's and SGLang's own parsers (own venv)
 # make vllm-env - vLLM's CPU build in .venv-vllm (the labs' "vLLM on CPU" path; make lab/test)
 # make prometheus - Prometheus and promtool from Debian's package, where apt runs as root
@@ -95,7 +95,7 @@ test-fast: $(VENV)/.installed-lab+book+test+ref
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $${status:-0}
 
 # A test must not depend on the machine's speed: the suites that wait on real servers, run
-# once on an idle machine and once beside one CPU-bound process per core.
+# again beside one CPU-bound process per core (make test ran them without).
 test-busy: $(VENV)/.installed-lab+book+test+ref prometheus
 	$(BIN)/python tests/idle_and_busy.py
 

@@ -1,14 +1,15 @@
-"""Run the suites that wait on real servers twice: once on an idle machine, once with every
-core busy (``make test-busy``; ``.ci/run`` runs it after ``make test``).
+"""Run the suites that wait on real servers again with every core busy (``make test-busy``;
+``.ci/run`` runs it after ``make test``, which ran them on a machine busy only with itself).
 
 A test that needs a state mid-flight must hold it there (a backend it controls, a gate, a
 fake clock), never hope that work is still running or already done: such a test passes on
 one machine and fails on a faster or a busier one. This runs the gateway, autoscaler and
-monitor tests, the ones that start servers and wait for them, with no load, then again beside
-one CPU-bound process per core (``while True: pass`` at the same priority, so the tests get
-about half the CPU they had), and fails if either run fails. Each run's time is printed.
+monitor tests, the ones that start servers and wait for them, beside one CPU-bound process
+per core (``while True: pass`` at the same priority, so the tests get about half the CPU they
+had), and fails if they fail; with ``--idle-too`` it runs them on the idle machine first. Each
+run's time is printed.
 
-    python tests/idle_and_busy.py [pytest arguments, e.g. -k gateway]
+    python tests/idle_and_busy.py [--idle-too] [pytest arguments, e.g. -k gateway]
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def run_suites(label: str, extra: list[str]) -> bool:
 
 
 def main() -> int:
-    extra = sys.argv[1:]
-    idle = run_suites("idle", extra)
+    extra = [arg for arg in sys.argv[1:] if arg != "--idle-too"]
+    idle = run_suites("idle", extra) if "--idle-too" in sys.argv[1:] else True
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                for _ in range(os.cpu_count() or 1)]
     try:
