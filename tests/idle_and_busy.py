@@ -26,9 +26,11 @@ SUITES = sorted(str(p) for pattern in ("test_gateway_*.py", "test_autoscale_*.py
 
 
 def run_suites(label: str, extra: list[str]) -> bool:
-    # No nbval and no cache: only these files, the same way both times.
+    # No nbval and no cache: only these files, the same way both times, a file whole in one
+    # worker per core as in make test (the servers they start take free ports).
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "-o", "addopts=-ra --strict-markers", *SUITES, *extra]
+               "-o", "addopts=-ra --strict-markers", "-n", "auto", "--dist", "loadfile",
+               *SUITES, *extra]
     started = time.monotonic()
     ok = subprocess.run(command).returncode == 0
     print(f"{label}: {'passed' if ok else 'FAILED'} in {time.monotonic() - started:.0f} s "

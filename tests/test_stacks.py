@@ -47,6 +47,31 @@ def fake_python(tmp_path: Path, pip_status: int) -> Path:
     return script
 
 
+# uv's output for the same install (it writes to stderr; labkit reads both streams).
+UV_OUTPUT = "\n".join(
+    ["Using Python 3.11.7 environment at: .venv-awq", "Resolved 31 packages in 1.20s",
+     "Downloading torch (190.3MiB)", "Downloading six (11.1KiB)", " Downloaded torch",
+     "Prepared 31 packages in 6.02s", "Installed 31 packages in 212ms"]
+    + [f" + package{i}==1.0" for i in range(31)])
+
+
+def fake_uv(python: Path, status: int = 0) -> Path:
+    """A stand-in for uv beside ``python`` (where ``make`` puts it): ``uv venv ... DIR`` makes
+    ``DIR/bin/python``; ``uv pip install ...`` prints :data:`UV_OUTPUT` and exits ``status``;
+    every call is logged to ``uv_calls.txt``."""
+    log, output = python.parent / "uv_calls.txt", python.parent / "uv_output.txt"
+    output.write_text(UV_OUTPUT + "\n")
+    uv = python.parent / "uv"
+    uv.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {log}\n'
+        'if [ "$1" = venv ]; then for last; do :; done; mkdir -p "$last/bin"; exit 0; fi\n'
+        f"cat {output} >&2\n"
+        f"exit {status}\n")
+    uv.chmod(uv.stat().st_mode | stat.S_IXUSR)
+    return uv
+
+
 def test_ref_installs_exactly_the_ref_extra_of_pyproject():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extra = pyproject["project"]["optional-dependencies"]["ref"]
@@ -152,3 +177,51 @@ def test_command_line_installs_ahead_or_says_it_is_there(tmp_path, capsys):
     (venv / ".installed").touch()
     assert stacks.main(["awq", "--venv", str(venv)]) == 0
     assert "already installed" in capsys.readouterr().out
+
+
+def test_uv_beside_the_interpreter_installs_both_stacks_as_pip_would(tmp_path, monkeypatch):
+    python = fake_python(tmp_path, pip_status=1)    # pip would fail: uv must do the work
+    uv, venv = fake_uv(python), tmp_path / "awq"
+    monkeypatch.delenv("UV_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /srv/more")
+    options = ["--prerelease", "if-necessary", "--find-links", "/opt/wheels",
+               "--find-links", "/srv/more"]
+    assert stacks.commands("awq", python, venv) == [
+        [str(uv), "venv", "--allow-existing", "--python", str(python), str(venv)],
+        [str(uv), "pip", "install", *options, "--python", str(venv / "bin" / "python"),
+         *stacks.AWQ_REQUIREMENTS]]
+    assert stacks.commands("ref", python)[0][:9] == [str(uv), "pip", "install", *options[:4],
+                                                     "--find-links", "/srv/more"]
+    monkeypatch.setenv("UV_FIND_LINKS", "/opt/wheels")    # uv's own setting: left to uv
+    assert stacks.uv_options() == ["--prerelease", "if-necessary"]
+
+
+def test_a_uv_install_shows_the_same_few_progress_lines(tmp_path, capsys):
+    python, venv = fake_python(tmp_path, pip_status=1), tmp_path / "awq"
+    fake_uv(python)
+    assert stacks.ensure("awq", python=python, venv=venv) is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["  downloading torch (190.3 MiB)", "  installed 31 packages"]
+    assert (venv / ".installed").is_file()
+    assert len((tmp_path / "uv_calls.txt").read_text().splitlines()) == 2
+
+
+def test_a_failing_uv_names_its_command(tmp_path):
+    python = fake_python(tmp_path, pip_status=0)
+    fake_uv(python, status=2)
+    with pytest.raises(stacks.StackInstallError, match="exit status 2") as error:
+        stacks.install("ref", python=python)
+    assert shlex.join(stacks.commands("ref", python)[0]) in str(error.value)
+
+
+@pytest.mark.parametrize("line, shown", [
+    ("Downloading torch (190.3MiB)", "  downloading torch (190.3 MiB)"),
+    ("Downloading triton (1.0GiB)", "  downloading triton (1.0 GiB)"),
+    ("Downloading six (11.1KiB)", None),
+    ("Downloading numpy (19.0MiB)", None),                 # 19.9 MB: under the 20 MB bar
+    ("Installed 1 package in 3ms", "  installed 1 package"),
+    (" + torch==2.13.0+cpu", None),
+    ("Resolved 31 packages in 1.20s", None),
+])
+def test_uv_lines_are_condensed_like_pips(line, shown):
+    assert stacks.condense(line) == shown
