@@ -17,11 +17,11 @@ whatever else runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import sys
 import tempfile
-import time
 
 import httpx
 import numpy as np
@@ -29,6 +29,7 @@ import numpy as np
 from labkit.engine import write_tiny_model
 from labkit.harness.fleet import gateway_command
 from labkit.harness.vllm_router import start_router
+from labkit.http.client import stream_completion
 from labkit.launch import ServeConfig, command_for
 from labkit.process import ServerProcess, free_port
 
@@ -41,21 +42,31 @@ def gateway_process(backend: str, strategy: str) -> ServerProcess:
                          startup_timeout_s=60)
 
 
-def ttft_s(client: httpx.Client, base_url: str, prompt: str) -> float:
-    """Seconds from sending one streamed completion to its first token's event (its text
-    may be empty: a token that ends inside a multi-byte character is held back)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    first = None
-    with client.stream("POST", base_url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError(f"{base_url} streamed no token")
-    return first
+async def ttft_ms(targets: dict[str, str], requests: int) -> dict[str, list[float]]:
+    """TTFT (ms) of ``requests`` streamed completions per target, sent one at a time and
+    round-robin over the targets after 10 warm-up requests each (connections, code paths);
+    measured by :func:`labkit.http.client.stream_completion`, to the first event that carries
+    a choice (its text may be empty: a token that ends inside a multi-byte character is held
+    back)."""
+    times: dict[str, list[float]] = {name: [] for name in targets}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, timeout=60, trust_env=False))
+            for name, url in targets.items()}
+
+        async def one(name: str, prompt: str) -> float:
+            result = await stream_completion(clients[name], MODEL, prompt, 4)
+            if result.ttft_ms is None:
+                raise RuntimeError(f"{targets[name]} streamed no token: {result.error}")
+            return result.ttft_ms
+
+        for name in targets:
+            for i in range(10):
+                await one(name, f"warm up {i}")
+        for i in range(requests):
+            for name in targets:
+                times[name].append(await one(name, f"request number {i}"))
+    return times
 
 
 def main() -> int:
@@ -76,22 +87,15 @@ def main() -> int:
         router = start_router([cfg.base_url], "round_robin")
         stack.callback(router.stop)
         targets["vllm-router (round_robin)"] = router.base_url
-        times: dict[str, list[float]] = {name: [] for name in targets}
-        with httpx.Client(timeout=60, trust_env=False) as client:
-            for url in targets.values():  # warm up: connections, code paths
-                for i in range(10):
-                    ttft_s(client, url, f"warm up {i}")
-            for i in range(args.requests):
-                for name, url in targets.items():
-                    times[name].append(ttft_s(client, url, f"request number {i}"))
+        times = asyncio.run(ttft_ms(targets, args.requests))
     direct_p50 = np.percentile(times["direct"], 50)
     print(f"{args.requests} streamed requests per target, one at a time, 4 tokens each")
     print(f"{'target':34s} {'p50 ms':>8s} {'p90 ms':>8s} {'added p50 ms':>13s} "
           f"{'x direct':>9s}")
     for name, samples in times.items():
         p50, p90 = np.percentile(samples, 50), np.percentile(samples, 90)
-        print(f"{name:34s} {p50 * 1e3:8.2f} {p90 * 1e3:8.2f} "
-              f"{(p50 - direct_p50) * 1e3:13.2f} {p50 / direct_p50:9.2f}")
+        print(f"{name:34s} {p50:8.2f} {p90:8.2f} {p50 - direct_p50:13.2f} "
+              f"{p50 / direct_p50:9.2f}")
     return 0
 
 

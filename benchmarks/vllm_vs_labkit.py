@@ -25,65 +25,53 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from labkit import lab, vllm_cpu
-from labkit.bench import benchmark
+from labkit.bench import benchmark, server_tokenizer
 from labkit.simulate import Workload, random_dataset
 from labkit.launch import ServeConfig, command_for, vllm_command
 from labkit.harness.lab_engines import lab_model
 from labkit.process import ServerProcess, free_port
 
-NUM_PROMPTS, INPUT_WORDS, OUTPUT_LEN, MAX_CONCURRENCY = 64, 64, 128, 8
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, MAX_CONCURRENCY = 64, 64, 128, 8
 MODEL = "course-model"
-
-# ``vllm bench serve`` without its console script, which looks up a distribution named "vllm"
-# (vllm-cpu's is not) and fails.
-_VLLM_BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
 
 #: Reported per (server, client): vLLM's result-JSON keys, and how each is printed.
 COLUMNS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("output_throughput", "out tok/s"))
 
 
-def write_sharegpt(workload: Workload, path: Path) -> None:
-    """The workload's prompts (its text view) as a ShareGPT file, a format vLLM's benchmark
-    reads without pandas (its ``custom`` JSONL loader needs pandas, which vLLM's CPU
-    environment lacks). The second turn is required by the loader and unused:
-    ``--sharegpt-output-len`` sets the length."""
+def write_sharegpt(workload: Workload, model_dir: str, path: Path) -> None:
+    """The workload's prompts, made with the server's tokenizer (each exactly its length), as a
+    ShareGPT file, a format vLLM's benchmark reads without pandas (its ``custom`` JSONL loader
+    needs pandas, which vLLM's CPU environment lacks). The second turn is required by the
+    loader and unused: ``--sharegpt-output-len`` sets the length."""
     rows = [{"conversations": [{"from": "human", "value": r.prompt},
-                               {"from": "gpt", "value": ""}]} for r in workload.bench_requests()]
+                               {"from": "gpt", "value": ""}]}
+            for r in workload.bench_requests(server_tokenizer(model_dir))]
     path.write_text(json.dumps(rows), encoding="utf-8")
 
 
-def vllm_bench(python: str, base_url: str, model_dir: str, dataset: Path,
-               out_dir: Path) -> dict:
+def vllm_bench(python: str, base_url: str, model_dir: str, dataset: Path) -> dict:
     """Run vLLM's benchmark client against ``base_url``; its saved result (a dict)."""
-    result = out_dir / "vllm-bench.json"
-    command = [python, "-c", _VLLM_BENCH, "--backend", "openai", "--base-url", base_url,
-               "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", model_dir,
-               "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-               "--sharegpt-output-len", str(OUTPUT_LEN), "--disable-shuffle",
-               "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", str(MAX_CONCURRENCY),
-               "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result",
-               "--result-dir", str(out_dir), "--result-filename", result.name]
-    run = subprocess.run(command, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed:\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
-    return json.loads(result.read_text())
+    return vllm_cpu.bench_serve(python, base_url, MODEL, model_dir, [
+        "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+        "--sharegpt-output-len", str(OUTPUT_LEN), "--disable-shuffle",
+        "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", str(MAX_CONCURRENCY),
+        "--ignore-eos", "--temperature", "0", "--disable-tqdm"])
 
 
 def measure(base_url: str, requests: Workload, python: str, model_dir: str,
-            dataset: Path, out_dir: Path) -> dict[str, dict]:
+            dataset: Path) -> dict[str, dict]:
     """Both clients on one running server, after a warm-up: client -> numbers by key."""
-    benchmark(base_url, MODEL, requests[:MAX_CONCURRENCY], max_concurrency=MAX_CONCURRENCY)
-    ours = benchmark(base_url, MODEL, requests, max_concurrency=MAX_CONCURRENCY)
-    theirs = vllm_bench(python, base_url, model_dir, dataset, out_dir)
+    benchmark(base_url, MODEL, requests[:MAX_CONCURRENCY], max_concurrency=MAX_CONCURRENCY,
+              tokenizer=model_dir)
+    ours = benchmark(base_url, MODEL, requests, max_concurrency=MAX_CONCURRENCY,
+                     tokenizer=model_dir)
+    theirs = vllm_bench(python, base_url, model_dir, dataset)
     expected = NUM_PROMPTS * OUTPUT_LEN
     for name, completed, tokens in (("labkit.bench", ours.completed, ours.total_output_tokens),
                                     ("vllm bench", theirs["completed"],
@@ -96,7 +84,7 @@ def measure(base_url: str, requests: Workload, python: str, model_dir: str,
 
 
 def serve_and_measure(engine: str, path: lab.LabPath, requests: Workload,
-                      dataset: Path, out_dir: Path) -> dict[str, dict]:
+                      dataset: Path) -> dict[str, dict]:
     cfg = ServeConfig(model=lab_model("vllm", path), served_model_name=MODEL, port=free_port(),
                       max_model_len=1024, extra_args=("--no-enable-prefix-caching",))
     if engine == "vllm":
@@ -106,7 +94,7 @@ def serve_and_measure(engine: str, path: lab.LabPath, requests: Workload,
         server = ServerProcess(command_for("labkit", cfg), cfg.base_url)
     print(f"starting {engine} ...", flush=True)
     with server:
-        return measure(cfg.base_url, requests, path.vllm_cpu_python, cfg.model, dataset, out_dir)
+        return measure(cfg.base_url, requests, path.vllm_cpu_python, cfg.model, dataset)
 
 
 def main() -> int:
@@ -114,15 +102,15 @@ def main() -> int:
     if path.runs("vllm") != "cpu":
         print("vLLM's CPU build is not installed here (make vllm-env)", file=sys.stderr)
         return 1
-    requests = random_dataset(NUM_PROMPTS, INPUT_WORDS, OUTPUT_LEN, seed=0)
-    print(f"workload: {NUM_PROMPTS} requests, {INPUT_WORDS} words in, {OUTPUT_LEN} tokens out, "
+    requests = random_dataset(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, seed=0)
+    print(f"workload: {NUM_PROMPTS} requests, {INPUT_LEN} tokens in, {OUTPUT_LEN} tokens out, "
           f"at most {MAX_CONCURRENCY} at a time, greedy, EOS ignored, prefix caching off")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before the "
           f"run (other processes share these CPUs with the servers and the clients)")
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "prompts.json"
-        write_sharegpt(requests, dataset)
-        results = {engine: serve_and_measure(engine, path, requests, dataset, Path(tmp))
+        write_sharegpt(requests, lab_model("vllm", path), dataset)
+        results = {engine: serve_and_measure(engine, path, requests, dataset)
                    for engine in ("labkit", "vllm")}
 
     print(f"\n{'server':<8}{'client':<15}" + "".join(f"{label:>12}" for _, label in COLUMNS))

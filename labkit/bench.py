@@ -14,8 +14,10 @@ time after the first chunk over the server's count of the tokens after the first
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,6 +26,7 @@ from labkit.checks import ParameterError, positive_int
 from labkit.http.client import client_pool
 from labkit.http.sse import IncompleteStream, read_events
 from labkit.simulate.metrics import BenchmarkResult, RequestLatencies, summarize_latencies
+from labkit.simulate.prompts import TokenizerLike
 from labkit.simulate.workload import BenchRequest, Workload
 
 
@@ -68,18 +71,43 @@ async def _one(http: httpx.AsyncClient, model: str, request: BenchRequest,
                              usage["completion_tokens"], start, chunk_times)
 
 
+def server_tokenizer(tokenizer: TokenizerLike | str | os.PathLike | None) -> TokenizerLike | None:
+    """``tokenizer`` as an object, from what the server loaded (``vllm bench serve
+    --tokenizer`` takes the same): a model directory is read with the teaching engine's
+    :class:`~labkit.engine.tokenizer.Tokenizer`, as ``transformers`` reads it; a Hugging Face
+    model name with ``transformers`` where it is installed (the GPU path); an object or None
+    passes through."""
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if (Path(tokenizer) / "tokenizer.json").is_file():
+        from labkit.engine.tokenizer import Tokenizer
+
+        return Tokenizer(tokenizer)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ParameterError("tokenizer", f"tokenizer must be a model directory with a "
+                                          f"tokenizer.json, or a model name where transformers "
+                                          f"is installed, got {os.fspath(tokenizer)!r}") from None
+    return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+
+
 async def benchmark_async(base_url: str, model: str, workload: Workload,
                           request_rate: float | None = None, burstiness: float = 1.0,
                           max_concurrency: int | None = None,
                           slos_ms: Mapping[str, float] | None = None,
-                          progress: bool = False) -> BenchmarkResult:
+                          progress: bool = False,
+                          tokenizer: TokenizerLike | str | os.PathLike | None = None
+                          ) -> BenchmarkResult:
     """Send ``workload`` to ``base_url`` and summarize what was measured.
 
     Each request leaves at its arrival time, or, given ``request_rate`` (and
     ``burstiness``), at the times :meth:`~labkit.simulate.Workload.at_rate` draws, as
     ``vllm bench serve --request-rate --burstiness`` sends; at most ``max_concurrency`` are
     open at once. Prompts are the workload's text view
-    (:meth:`~labkit.simulate.Workload.bench_requests`).
+    (:meth:`~labkit.simulate.Workload.bench_requests`): give the server's ``tokenizer`` (its
+    model directory, as ``vllm bench serve --tokenizer``) and each prompt is as many tokens
+    as the workload says, by the server's count; without it, one word per token.
     """
     if max_concurrency is not None:
         positive_int("max_concurrency", max_concurrency)
@@ -87,7 +115,8 @@ async def benchmark_async(base_url: str, model: str, workload: Workload,
 
     if request_rate is not None:
         workload = workload.at_rate(request_rate, burstiness)
-    requests, send_at = workload.bench_requests(), workload.arrival_s
+    requests = workload.bench_requests(server_tokenizer(tokenizer))
+    send_at = workload.arrival_s
     bar = tqdm(total=len(requests), disable=not progress, desc="requests")
     async with client_pool(base_url, max_concurrency or len(requests) or 1) as (http, gate):
         start = time.perf_counter()

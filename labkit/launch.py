@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from labkit.checks import ParameterError, in_range, positive_int
+from labkit.lab import shown_path
 
 
 @dataclass(frozen=True)
@@ -179,15 +180,26 @@ def labkit_command(cfg: ServeConfig) -> list[str]:
 
 
 def format_command(command: Sequence[str]) -> str:
-    """A command as a shell line continued over several lines, one ``--flag value`` per line."""
-    lines, current = [], [shlex.quote(command[0])]
+    """A command as a shell line continued over several lines, one ``--flag value`` per line,
+    to read: this machine's paths are shown from the checkout or from ``~``
+    (:func:`labkit.lab.shown_path`)."""
+    lines, current = [], [_quoted(command[0])]
     for arg in command[1:]:
         if arg.startswith("--"):
             lines.append(" ".join(current))
             current = []
-        current.append(shlex.quote(arg))
+        current.append(_quoted(arg))
     lines.append(" ".join(current))
     return " \\\n    ".join(lines)
+
+
+def _quoted(arg: str) -> str:
+    """One argument for a shell, machine paths shown as :func:`~labkit.lab.shown_path` does;
+    ``~/`` stays outside the quotes, so that the shell still expands it."""
+    shown = shown_path(arg)
+    if shown.startswith("~/"):
+        return "~/" + shlex.quote(shown[2:])
+    return shlex.quote(shown)
 
 
 #: Every engine labkit launches, by the name used across labkit, and its command line.

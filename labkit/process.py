@@ -7,13 +7,15 @@ engine's worker processes stop with it; a log file to read when it fails; readin
 on the route the server answers when it can serve (``/health`` for OpenAI servers,
 ``/-/ready`` for Prometheus); and, on Linux, the parent-death signal, so a killed notebook
 kernel or test run leaves no server behind. :func:`wait_until` is the one polling loop for
-"until this is true or the deadline passes"; :func:`exit_on_sigterm` lets a script that
-started servers stop them when it is told to stop.
+"until this is true or the deadline passes" (:func:`wait_until_async` in an event loop);
+:func:`exit_on_sigterm` lets a script that started servers stop them when it is told to stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -49,6 +51,26 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
             raise TimeoutError(f"{what} still not true after {timeout_s:g} s")
         time.sleep(interval_s)
     return time.monotonic() - start
+
+
+async def wait_until_async(predicate: Callable[[], object], timeout_s: float = 30.0,
+                           interval_s: float = 0.2, what: str = "the condition") -> float:
+    """:func:`wait_until` for an event loop: ``predicate`` may be a coroutine function (a
+    health probe); between polls the loop runs other tasks. Returns the seconds waited;
+    ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    in_range("timeout_s", timeout_s, 0)
+    in_range("interval_s", interval_s, 0, low_open=True)
+    start = time.monotonic()
+    while True:
+        done = predicate()
+        if inspect.isawaitable(done):
+            done = await done
+        if done:
+            return time.monotonic() - start
+        left_s = timeout_s - (time.monotonic() - start)
+        if left_s <= 0:
+            raise TimeoutError(f"{what} still not true after {timeout_s:g} s")
+        await asyncio.sleep(min(interval_s, left_s))
 
 
 def parent_death_hook(thread_outlives_child: bool = False) -> Callable[[], None] | None:

@@ -6,7 +6,8 @@ it in ``.venv-vllm`` (with the CPU build of torch, and without the torchvision /
 wheels it pulls, which do not match that torch). Three facts shape how labkit runs it:
 
 - its ``vllm`` console script looks for a distribution named ``vllm`` and fails, so the
-  server starts as ``python -m vllm.entrypoints.openai.api_server``;
+  server starts as ``python -m vllm.entrypoints.openai.api_server`` and ``vllm bench serve``
+  as its subcommand's own code (:func:`bench_serve`);
 - the KV cache is not a fraction of a GPU but ``VLLM_CPU_KVCACHE_SPACE`` GiB of host memory;
 - an idle server busy-polls about half a core: stop it before timing anything else.
 
@@ -69,6 +70,34 @@ def server_command(python: str, vllm_serve: Sequence[str]) -> list[str]:
     _check_vllm_serve(vllm_serve)
     model, *flags = vllm_serve[2:]
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *flags]
+
+
+#: ``vllm bench serve`` as the CPU build runs it: the subcommand's own parser and ``main``,
+#: without the console script.
+_BENCH_SERVE = ("import sys\n"
+                "from vllm.benchmarks.serve import add_cli_args, main\n"
+                "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+                "parser = FlexibleArgumentParser()\n"
+                "add_cli_args(parser)\n"
+                "main(parser.parse_args(sys.argv[1:]))\n")
+
+
+def bench_serve(python: str, base_url: str, model: str, tokenizer: str, flags: Sequence[str],
+                timeout_s: float = 600) -> dict:
+    """Run vLLM's own ``vllm bench serve --backend vllm`` against ``base_url`` with this
+    environment's ``python`` (``model`` is the served name, ``tokenizer`` the model directory,
+    ``flags`` the rest, e.g. ``--dataset-name random --num-prompts 40``) and return the result
+    it saves (``completed``, ``total_input_tokens``, ``mean_ttft_ms``, ...: vLLM's names)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as out:
+        command = [python, "-c", _BENCH_SERVE, "--backend", "vllm", "--base-url", base_url,
+                   "--model", model, "--tokenizer", tokenizer, "--save-result",
+                   "--result-dir", out, "--result-filename", "result.json", *flags]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        result = Path(out, "result.json")
+        if done.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"vllm bench serve failed (exit status {done.returncode}): "
+                               f"{(done.stderr or done.stdout)[-2000:]}")
+        return json.loads(result.read_text())
 
 
 def _check_vllm_serve(vllm_serve: Sequence[str]) -> None:

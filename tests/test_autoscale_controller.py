@@ -34,6 +34,7 @@ from labkit.gateway import Gateway, GatewayConfig
 from labkit.harness.fleet import start_gateway
 from labkit.harness.steps import StepLoad
 from labkit.launch import ServeConfig
+from labkit.process import wait_until
 
 MODEL = "tiny"
 #: Scale down only after 3 s of lower recommendations (Kubernetes: 300 s), all at once.
@@ -55,15 +56,6 @@ def serve_gateway():
         yield base, gateway
 
 
-def wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 async def stream_once(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
     """One streamed completion through the gateway: its status, its ``data:`` payloads
     (dicts and "[DONE]") and when it ended (``time.monotonic``), or the error that broke it."""
@@ -74,6 +66,8 @@ async def stream_once(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             lines = [line async for line in response.aiter_lines()]
     except httpx.HTTPError as err:
         return {"status": None, "events": [], "error": f"{type(err).__name__}: {err}"}
+    # Read from the wire, not by labkit.http.sse (the gateway writes with it): what a client
+    # reads.
     events = [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
               for line in lines if line.startswith("data: ")]
     return {"status": response.status_code, "events": events, "ended": time.monotonic()}
@@ -193,8 +187,10 @@ def test_step_load_scales_one_to_three_and_back_with_no_failed_request(tiny):
 
             results = asyncio.run(step_load())
             assert "scaled" in seen, [(h.desired, h.ready) for h in scaler.history]
-            back_to_one = wait_for(lambda: [r.phase for r in scaler.replicas()
-                                            if r.phase != "stopped"] == ["ready"], 40)
+            with contextlib.suppress(TimeoutError):  # the assertion below says what it saw
+                wait_until(lambda: [r.phase for r in scaler.replicas()
+                                    if r.phase != "stopped"] == ["ready"], 40, 0.05)
+            back_to_one = [r.phase for r in scaler.replicas() if r.phase != "stopped"] == ["ready"]
             survivors = [r.name for r in scaler.replicas() if r.phase == "ready"]
             listed = httpx.get(base + "/list_workers", trust_env=False).json()["urls"]
             served = {url: value for (url, status), value in requests_by_backend(gateway)
@@ -271,8 +267,8 @@ def test_scale_down_drains_the_open_streams_before_stopping_the_youngest(tiny):
                     return await asyncio.gather(*running), open_at_scale_down
 
             results, open_at_scale_down = asyncio.run(streams_with_a_scale_down())
-            assert wait_for(lambda: next(r.phase for r in scaler.replicas()
-                                         if r.name == youngest) == "stopped", 60)
+            wait_until(lambda: next(r.phase for r in scaler.replicas()
+                                    if r.name == youngest) == "stopped", 60, 0.05)
             listed = httpx.get(base + "/list_workers", trust_env=False).json()["urls"]
             on_leaving = {s: v for (url, s), v in requests_by_backend(gateway)
                          if url == leaving.url}
@@ -303,12 +299,12 @@ def test_a_replica_that_dies_is_taken_out_and_replaced(tiny):
             victim = scaler.replicas()[1]
             os.killpg(victim.pid, signal.SIGKILL)
             clock = iter(range(1, 10**6))  # one second a sync, on the policy's clock
-            assert wait_for(lambda: scaler.step(float(next(clock))) == 2
-                            and any(e.kind == "died" for e in scaler.events), 10)
+            wait_until(lambda: scaler.step(float(next(clock))) == 2
+                       and any(e.kind == "died" for e in scaler.events), 10, 0.05)
             died = [e for e in scaler.events if e.kind == "died"]
             assert [(e.replica, e.detail) for e in died] == [(victim.name, "ended by SIGKILL")]
             assert scaler.history[-1].ready == 1  # what the policy saw: one pod fewer
-            assert wait_for(lambda: scaler.ready_count == 2, 30)
+            wait_until(lambda: scaler.ready_count == 2, 30, 0.05)
             listed = httpx.get(base + "/list_workers", trust_env=False).json()["urls"]
             phases = {r.name: r.phase for r in scaler.replicas()}
     assert phases == {"replica-0": "ready", "replica-1": "stopped", "replica-2": "ready"}
@@ -333,10 +329,10 @@ def test_a_replica_that_hangs_fails_its_liveness_probes_and_is_replaced(tiny):
                 scaler.step(float(syncs))
                 syncs += 1
             clock = iter(range(syncs, 10**6))  # then it is noticed dead, and replaced
-            assert wait_for(lambda: scaler.step(float(next(clock))) == 2
-                            and any(e.kind == "died" for e in scaler.events), 10)
-            assert wait_for(lambda: scaler.ready_count == 2 and scaler.replicas()[0].phase
-                            == "stopped", 30)
+            wait_until(lambda: scaler.step(float(next(clock))) == 2
+                       and any(e.kind == "died" for e in scaler.events), 10, 0.05)
+            wait_until(lambda: scaler.ready_count == 2 and scaler.replicas()[0].phase
+                       == "stopped", 30, 0.05)
             kinds = events_of(scaler, hung.name)
     assert syncs == 3  # the third failed probe in a row killed it
     assert kinds == ["starting", "ready", "unhealthy", "died", "removed", "stopped"]
@@ -362,7 +358,7 @@ def test_replicas_that_cannot_start_back_off_and_leave_nothing_running(tiny, tmp
             for f in os.listdir(model):
                 os.unlink(model / f)
             assert scaler.step(0.0) == 2  # below minReplicas: the HPA asks for 2
-            assert wait_for(lambda: any(e.kind == "failed" for e in scaler.events), 30)
+            wait_until(lambda: any(e.kind == "failed" for e in scaler.events), 30, 0.05)
             assert scaler.step(1.0) == 2 and scaler.step(2.0) == 2
             names = [r.name for r in scaler.replicas()]
         with pytest.raises(RuntimeError, match="did not start"):
@@ -430,8 +426,8 @@ def test_replicas_stop_with_the_autoscalers_process_however_it_ends(tiny, sig):
         if sig != signal.SIGKILL:  # a clean exit: it unwound its with-blocks
             assert script.returncode in (128 + signal.SIGTERM, -signal.SIGINT), \
                 script.stderr.read()[-3000:]
-        assert wait_for(lambda: all(gone(pid) for pid in pids), 60), \
-            [pid for pid in pids if not gone(pid)]
+        wait_until(lambda: all(gone(pid) for pid in pids), 60, 0.05,
+                   what="every replica gone")
     finally:
         if script.poll() is None:
             script.kill()

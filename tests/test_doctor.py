@@ -36,8 +36,10 @@ def test_the_stacks_in_the_table_are_the_ones_the_lab_installs(lab):
 
 HEAVY = {"torch", "transformers", "llmcompressor", "awq"}  # the reference stacks' modules
 #: The only labkit modules that import them: the quantization tools of lab 04, which installs
-#: them first (``stacks.ensure``), and the job that runs inside .venv-awq.
-HEAVY_IMPORTERS = {"labkit/quant/tools.py", "labkit/quant/autoawq_job.py"}
+#: them first (``stacks.ensure``), the job that runs inside .venv-awq, and the benchmark,
+#: which reads a Hugging Face model name's tokenizer with transformers on the GPU path only
+#: (vLLM brings transformers there; a model directory needs only ``tokenizers``).
+HEAVY_IMPORTERS = {"labkit/quant/tools.py", "labkit/quant/autoawq_job.py", "labkit/bench.py"}
 
 
 def _imported(source: str) -> set[str]:

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from conftest import serve_asgi, serve_tiny_model
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+# Prometheus' own parser, not labkit.http.metrics: the pages are checked independently.
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError
@@ -41,7 +41,7 @@ from labkit.gateway import (
 )
 from labkit.gateway.config import check_exposure
 from labkit.launch import ServeConfig, command_for
-from labkit.process import ServerProcess, free_port
+from labkit.process import ServerProcess, free_port, wait_until, wait_until_async
 
 MODEL = "tiny"
 
@@ -66,17 +66,9 @@ def running(gateway: Gateway):
         seen = list(gateway.pool.endpoints)
         yield base
         seen += [e for e in gateway.pool.endpoints if e not in seen]
-        assert wait_for(lambda: all(e.in_flight == 0 for e in seen)), \
-            {e.url: e.in_flight for e in seen}
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: all(e.in_flight == 0 for e in seen), 10, 0.02)
+        assert all(e.in_flight == 0 for e in seen), {e.url: e.in_flight for e in seen}
 
 
 def gateway_metric(base: str, name: str, **labels) -> float:
@@ -89,7 +81,8 @@ def gateway_metric(base: str, name: str, **labels) -> float:
 
 
 def sse_events(lines) -> list:
-    """The ``data:`` payloads of a server-sent-event stream: dicts, and "[DONE]"."""
+    """The ``data:`` payloads of a server-sent-event stream: dicts, and "[DONE]". Read from
+    the wire here, not by labkit.http.sse, which is under test too: what a client reads."""
     events = []
     for line in lines:
         if line.startswith("data: "):
@@ -590,7 +583,7 @@ def test_a_first_byte_timeout_retries_elsewhere_and_ejects_the_silent_backend():
             endpoint = gateway.pool.get(silent)
             assert not endpoint.healthy  # the second timeout in a row ejected it
             assert endpoint.ttft_ewma_s >= 2  # and its latency average counts the wait
-            assert wait_for(lambda: state["closed"] == 2, 30)  # the backend saw both leave
+            wait_until(lambda: state["closed"] == 2, 30, 0.02)  # the backend saw both leave
     # Alone, every attempt timed out: 504 with an OpenAI error body that says so.
     held, _ = held_backend(first_event=False)
     with serve_asgi(held) as silent:
@@ -619,7 +612,7 @@ def test_a_stream_idle_timeout_cuts_the_stream_with_an_error_event():
                                   kind="stream_idle") == 1
             assert gateway_metric(gw, "labkit_gateway_streams_cut_total", backend=stalled) == 1
             assert gateway.pool.get(stalled).consecutive_failures == 1
-            assert wait_for(lambda: state["closed"] == 1, 30)  # the upstream was closed
+            wait_until(lambda: state["closed"] == 1, 30, 0.02)  # the upstream was closed
 
 
 def test_requests_waiting_on_a_backend_that_gets_ejected_are_retried_at_once():
@@ -633,7 +626,7 @@ def test_requests_waiting_on_a_backend_that_gets_ejected_are_retried_at_once():
             with httpx.Client(timeout=60) as client:
                 async_answer = _in_thread(lambda: client.post(gw + "/v1/completions",
                                                               json=completion()))
-                assert wait_for(lambda: state["arrived"] == 1, 30)  # held on the wedged one
+                wait_until(lambda: state["arrived"] == 1, 30, 0.02)  # held on the wedged one
                 assert gateway.pool.get(wedged).in_flight == 1
                 state["healthy"] = False  # three failed probes eject it
                 answer = async_answer()
@@ -699,11 +692,11 @@ def test_client_leaving_mid_stream_frees_the_backend():
                 assert gateway.pool.endpoints[0].in_flight == 1  # the backend holds it
             # The gateway notices its client left, closes the upstream stream, and counts a
             # 499; generous bounds, since a loaded machine may take seconds to get there.
-            assert wait_for(lambda: state["closed"] == 1, 30)
-            assert wait_for(lambda: gateway.pool.endpoints[0].in_flight == 0, 30)
-            assert wait_for(lambda: gateway_metric(gw, "labkit_gateway_requests_total",
-                                                   backend=backend, status="499") == 1, 30), \
-                httpx.get(gw + "/metrics").text[-2000:]
+            wait_until(lambda: state["closed"] == 1, 30, 0.02)
+            wait_until(lambda: gateway.pool.endpoints[0].in_flight == 0, 30, 0.02)
+            wait_until(lambda: gateway_metric(gw, "labkit_gateway_requests_total",
+                                              backend=backend, status="499") == 1, 30, 0.02,
+                       what=f"one request of {backend} counted as 499 (client gone)")
 
 
 def test_admin_add_drain_and_remove(backends):
@@ -739,7 +732,7 @@ def test_admin_add_drain_and_remove(backends):
                         await client.post("/add_worker", params={"url": a})
                         draining = asyncio.create_task(client.post("/remove_worker",
                                                                    params={"url": b}))
-                        await asyncio.wait_for(_until(lambda: on_b.draining), 30)
+                        await wait_until_async(lambda: on_b.draining, 30, 0.01)
                         # New requests go to a while b finishes its stream, which b holds:
                         # the drain cannot be over.
                         served = [(await client.post("/v1/completions", json=completion()))
@@ -758,12 +751,6 @@ def test_admin_add_drain_and_remove(backends):
             assert httpx.get(gw + "/list_workers").json() == {"urls": [a]}
             assert gateway_metric(gw, "labkit_gateway_requests_total", backend=a,
                                   status="200") == 2
-
-
-async def _until(condition, interval_s: float = 0.01) -> None:
-    """Return once ``condition()`` is true (bound it with ``asyncio.wait_for``)."""
-    while not condition():
-        await asyncio.sleep(interval_s)
 
 
 @pytest.mark.slow
@@ -798,8 +785,8 @@ def test_load_with_a_backend_killed_mid_stream_and_restarted(tiny, backends):
                     first = [asyncio.create_task(one(client, i)) for i in range(30)]
                     # Kill it once its streams have started: a first event from it has
                     # reached the gateway (its TTFT is known) and it still has some open.
-                    await asyncio.wait_for(_until(lambda: c.ttft_ewma_s is not None
-                                                  and c.in_flight > 0, 0.005), 60)
+                    await wait_until_async(lambda: c.ttft_ewma_s is not None
+                                           and c.in_flight > 0, 60, 0.005)
                     os.killpg(os.getpgid(victim.process.pid), signal.SIGKILL)
                     await asyncio.gather(*first)
                     second = [asyncio.create_task(one(client, i)) for i in range(30, 60)]
@@ -807,9 +794,9 @@ def test_load_with_a_backend_killed_mid_stream_and_restarted(tiny, backends):
 
             asyncio.run(load())
             victim.process.wait()
-            assert wait_for(lambda: not c.healthy)
+            wait_until(lambda: not c.healthy, 10, 0.02)
             victim = ServerProcess(command, cfg.base_url).start()
-            assert wait_for(lambda: c.healthy)
+            wait_until(lambda: c.healthy, 10, 0.02)
             assert httpx.post(gw + "/v1/completions", json=completion()).status_code == 200
             ejections = gateway_metric(gw, "labkit_gateway_ejections_total", backend=c.url)
             readmissions = gateway_metric(gw, "labkit_gateway_readmissions_total", backend=c.url)

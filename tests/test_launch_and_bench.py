@@ -1,21 +1,26 @@
 """Launch commands, the server process manager, and the benchmark harness end to end."""
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from labkit.bench import benchmark, request_latencies
+from labkit.bench import benchmark, request_latencies, server_tokenizer
 from labkit.simulate import random_dataset, shared_prefix_dataset
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
+from labkit.engine.tokenizer import Tokenizer
 from labkit.lab import ENGINE_PACKAGES
 from labkit.launch import (COMMANDS, ServeConfig, command_for, labkit_command,
                            multi_node_commands, sglang_command, trtllm_build_commands,
                            trtllm_command, trtllm_kv_fraction, vllm_command)
-from labkit.process import ServerProcess, group_alive, kill_group, signal_group
+from labkit.process import (ServerProcess, free_port, group_alive, kill_group, signal_group,
+                            wait_until, wait_until_async)
 
 CFG = ServeConfig(model="meta-llama/Meta-Llama-3-70B-Instruct", served_model_name="llama-70b",
                   tensor_parallel_size=4, gpu_memory_utilization=0.9, max_model_len=8192,
@@ -96,6 +101,50 @@ def test_datasets_as_text():
     assert words[0][50:] != words[2][50:]
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny")
+    return model, Tokenizer(model)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num=st.integers(1, 6), input_len=st.integers(2, 300), output_len=st.integers(1, 9),
+       prefix_len=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_prompts_made_with_the_servers_tokenizer_have_the_workloads_lengths(
+        tiny_tokenizer, num, input_len, output_len, prefix_len, seed):
+    # What the server counts: the prompt encoded with its special tokens (the tiny Llama's
+    # BOS), as usage.prompt_tokens reports it.
+    _, tokenizer = tiny_tokenizer
+    data = shared_prefix_dataset(num, prefix_len=prefix_len, suffix_len=input_len,
+                                 output_len=output_len, num_prefixes=2, seed=seed) \
+        if prefix_len else random_dataset(num, input_len, output_len, seed=seed)
+    requests = data.bench_requests(tokenizer)
+    served = [len(tokenizer.encode(r.prompt)) for r in requests]
+    assert served == [r.prompt_tokens for r in requests] == data.prompt_lens.tolist()
+    assert [r.max_tokens for r in requests] == data.output_lens.tolist()
+    assert data.bench_requests(tokenizer) == requests           # the seed decides it all
+    if prefix_len and num > 2:                                   # requests 0 and 2 share one
+        ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+        assert ids[0][:prefix_len // 2] == ids[2][:prefix_len // 2]
+    # Special tokens never appear inside a prompt: their markup is not text.
+    assert not any(t in tokenizer.all_special_ids
+                   for r in requests for t in tokenizer.encode(r.prompt, False))
+
+
+def test_words_are_not_tokens(tiny_tokenizer, monkeypatch):
+    # The view without a tokenizer is one word per token, which a BPE splits further: the
+    # reason the benchmark takes the server's tokenizer.
+    model, tokenizer = tiny_tokenizer
+    data = random_dataset(40, input_len=64, output_len=32, seed=0)
+    by_words = sum(len(tokenizer.encode(r.prompt)) for r in data.bench_requests())
+    assert by_words > 2 * 40 * 64
+    assert isinstance(server_tokenizer(model), Tokenizer) and server_tokenizer(None) is None
+    monkeypatch.setitem(sys.modules, "transformers", None)  # a lab environment without it
+    with pytest.raises(ParameterError, match="tokenizer must be a model directory") as error:
+        server_tokenizer(model.parent)
+    assert error.value.param == "tokenizer"
+
+
 def test_latencies_count_the_servers_tokens_not_chunks():
     # A busy server streamed 9 tokens in 3 chunks, at 0.1 s (1 token), 0.3 s and 0.5 s (4 each):
     # TPOT spreads the 0.4 s after the first chunk over the 8 tokens after the first.
@@ -109,12 +158,16 @@ def test_latencies_count_the_servers_tokens_not_chunks():
 
 def test_labkit_serve_subprocess_and_benchmark(tmp_path):
     model = write_tiny_model(tmp_path / "tiny")
-    cfg = ServeConfig(model=str(model), served_model_name="tiny", port=18631, max_model_len=512)
+    cfg = ServeConfig(model=str(model), served_model_name="tiny", port=free_port(),
+                      max_model_len=512)
+    data = random_dataset(12, 20, 6)
     with ServerProcess(command_for("labkit", cfg), cfg.base_url, startup_timeout_s=120) as server:
-        result = benchmark(server.base_url, "tiny", random_dataset(12, 20, 6), request_rate=40,
-                           max_concurrency=4, slos_ms={"ttft": 60_000})
+        result = benchmark(server.base_url, "tiny", data, request_rate=40, max_concurrency=4,
+                           slos_ms={"ttft": 60_000}, tokenizer=model)
         assert result.completed == 12 and result.total_output_tokens == 12 * 6
-        assert result.total_input_tokens > 0 and result.request_goodput > 0
+        # The server's own count (usage.prompt_tokens) is the workload's, token for token.
+        assert result.total_input_tokens == int(data.prompt_lens.sum())
+        assert result.request_goodput > 0
         assert 0 < result.median_ttft_ms <= result.p99_e2el_ms
         pid = server.process.pid
     assert server.process.poll() is not None
@@ -143,8 +196,6 @@ def test_a_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
     import sys
     import threading
     import time
-
-    from labkit.process import ServerProcess, free_port
 
     (tmp_path / "health").write_text("ok")  # http.server answers GET /health with 200
     port = free_port()
@@ -194,3 +245,31 @@ def test_a_process_group_is_signalled_asked_after_and_gone_is_no_error():
         if leader.poll() is None:
             leader.kill()
             leader.wait()
+
+
+def test_one_polling_loop_sync_and_async_with_the_same_contract():
+    """The predicate is polled until true (a coroutine function too, for a health probe);
+    past the deadline, TimeoutError names what was awaited. Counters, no clock: no test
+    depends on speed."""
+    calls = []
+
+    def third_time():
+        calls.append(1)
+        return len(calls) >= 3
+
+    async def probe():
+        return third_time()
+
+    assert wait_until(third_time, 5, 0.001) >= 0 and len(calls) == 3
+    calls.clear()
+    assert asyncio.run(wait_until_async(probe, 5, 0.001)) >= 0 and len(calls) == 3
+    calls.clear()
+    assert asyncio.run(wait_until_async(third_time, 5, 0.001)) >= 0 and len(calls) == 3
+    with pytest.raises(TimeoutError, match="the backend healthy still not true after 0.05 s"):
+        asyncio.run(wait_until_async(lambda: False, 0.05, 0.01, what="the backend healthy"))
+    calls.clear()
+    with pytest.raises(TimeoutError):   # a zero deadline polls once, then gives up
+        asyncio.run(wait_until_async(third_time, 0, 0.01))
+    assert len(calls) == 1
+    with pytest.raises(ParameterError, match="interval_s"):
+        asyncio.run(wait_until_async(third_time, 1, 0))

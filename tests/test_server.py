@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import serve_in_thread, serve_tiny_model
+# Prometheus' own parser, not labkit.http.metrics: the pages are checked independently.
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.engine import EngineArgs, write_tiny_model

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import paced
+# Prometheus' own parser, not labkit.http.metrics: the pages are checked independently.
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError

@@ -30,6 +30,7 @@ import uuid
 import httpx
 import pytest
 from conftest import serve_tiny_model
+# Prometheus' own parser, not labkit.http.metrics: the pages are checked independently.
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.harness.lab_engines import lab_model
@@ -552,3 +553,48 @@ def test_counters_move_alike_on_a_shared_prefix_workload(bases, clients):
     assert deltas["labkit"] == deltas["vllm"]
     assert deltas["vllm"]["vllm:prefix_cache_hits_total"] >= 2 * 256  # two blocks, twice
     assert deltas["vllm"]["vllm:generation_tokens_total"] == 3 * 4
+
+
+def test_labkit_bench_sends_what_vllm_bench_serve_sends(shared_vllm):
+    """``labkit.bench`` and vLLM's own ``vllm bench serve`` send one random workload (40
+    requests, 64 tokens in, 32 out, 4 requests/s, seed 0) to the same server; its own
+    counters say how many prompt tokens each sent. labkit's prompts are exactly the
+    workload's; vLLM's drift by the tokens that do not survive a decode and re-encode
+    (:func:`labkit.simulate.prompts.ordinary_token_ids`), within 1 %. Latencies are not
+    compared here: benchmarks/vllm_vs_labkit.py prints them, side by side."""
+    from labkit.bench import benchmark
+    from labkit.lab import detect
+    from labkit.simulate import random_dataset
+    from labkit.vllm_cpu import bench_serve
+
+    _, cfg = shared_vllm
+    num, input_len, output_len, rate = 40, 64, 32, 4.0
+    ended = "vllm:e2e_request_latency_seconds_count"
+
+    def prompt_tokens(requests_before: float = 0.0) -> dict[str, float]:
+        """The server's counters once it has counted ``num`` more ended requests (it updates
+        them after answering)."""
+        now = {}
+
+        def all_counted() -> bool:
+            now.update(counters(cfg.base_url))
+            return now.get(ended, 0) >= requests_before + num
+
+        wait_until(all_counted, 30, 0.1, what="vLLM counting every request")
+        return now
+
+    before = counters(cfg.base_url)
+    theirs = bench_serve(detect().vllm_cpu_python, cfg.base_url, MODEL, cfg.model, [
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num),
+        "--request-rate", str(rate), "--seed", "0", "--ignore-eos"], timeout_s=300)
+    between = prompt_tokens(before.get(ended, 0))
+    ours = benchmark(cfg.base_url, MODEL, random_dataset(num, input_len, output_len, seed=0),
+                     request_rate=rate, tokenizer=cfg.model)
+    after = prompt_tokens(between[ended])
+    sent = "vllm:prompt_tokens_total"
+    assert theirs["completed"] == ours.completed == num
+    assert theirs["total_output_tokens"] == ours.total_output_tokens == num * output_len
+    # The server's own count of labkit's prompt tokens is the workload's, token for token.
+    assert after[sent] - between[sent] == ours.total_input_tokens == num * input_len
+    assert abs((between[sent] - before.get(sent, 0)) - num * input_len) <= num * input_len / 100

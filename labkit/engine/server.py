@@ -16,7 +16,6 @@ As with vLLM, ``--api-key`` (or ``VLLM_API_KEY``) protects the ``/v1`` routes, a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import uuid
@@ -42,6 +41,7 @@ from labkit.http.openai import (
     error_body,
     error_response,
 )
+from labkit.http.sse import DONE_BYTES, event_bytes
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a body past this is refused before it is parsed
 #: vLLM registers its development routes (sleep mode among them) only when this is "1".
@@ -338,7 +338,7 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
         output = first
         try:
             if role is not None:  # chat: announce the speaker first, as OpenAI does
-                yield _event(with_usage(chunk(first, [
+                yield event_bytes(with_usage(chunk(first, [
                     {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                      "finish_reason": None} for i in range(n)]), first, 0))
             while True:
@@ -348,27 +348,24 @@ def _sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
                     if done[i] or (len(c.token_ids) == sent_tokens[i] and not c.finished):
                         continue
                     piece = c.text[sent_text[i]:]
-                    yield _event(with_usage(delta(output, i, piece, slice(sent_tokens[i], None)),
-                                            output, len(c.token_ids)))
+                    new_tokens = slice(sent_tokens[i], None)
+                    yield event_bytes(with_usage(delta(output, i, piece, new_tokens), output,
+                                                 len(c.token_ids)))
                     sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), \
                         c.finished
                 if output.finished:
                     break
                 output = await stream.__anext__()
             if include_usage:
-                yield _event({**chunk(output, []), "usage": protocol.usage(output)})
+                yield event_bytes({**chunk(output, []), "usage": protocol.usage(output)})
         except (ParameterError, EngineDeadError) as err:
             status = 400 if isinstance(err, ParameterError) else 503
-            yield _event(error_body(status, str(err), getattr(err, "param", None)))
+            yield event_bytes(error_body(status, str(err), getattr(err, "param", None)))
         finally:
             await stream.aclose()  # a client that disconnected mid-stream frees its blocks
-        yield "data: [DONE]\n\n"
+        yield DONE_BYTES
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 class _BodyLimit:

@@ -57,6 +57,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf_tokenizer.get_vocab_size()
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        """The ids of the special tokens (``transformers``' name): markup, not text."""
+        return sorted(i for i, token in self.hf_tokenizer.get_added_tokens_decoder().items()
+                      if token.special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (Llama's BOS)."""
         return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

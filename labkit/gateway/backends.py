@@ -41,6 +41,7 @@ from labkit.gateway.config import GatewayConfig
 from labkit.gateway.endpoints import Endpoint
 from labkit.http.metrics import parse_samples
 from labkit.http.urls import normalize_url
+from labkit.process import wait_until_async
 
 #: Weight of the newest sample in the TTFT average: ``ewma = a * sample + (1 - a) * ewma``.
 #: With a = 0.25 a sample's weight halves every ln 2 / -ln 0.75 = 2.4 requests, so a backend
@@ -133,9 +134,8 @@ class BackendPool:
         """Stop new requests to ``endpoint`` and wait up to ``timeout_s`` seconds for its open
         ones to finish; returns how many are still open (0 when it drained)."""
         endpoint.draining = True
-        deadline = time.monotonic() + timeout_s
-        while endpoint.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        with contextlib.suppress(TimeoutError):
+            await wait_until_async(lambda: not endpoint.in_flight, timeout_s, 0.05)
         return endpoint.in_flight
 
     # -- the gateway's own accounting ---------------------------------------------------

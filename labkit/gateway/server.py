@@ -77,6 +77,7 @@ from labkit.gateway.proxy import TIMEOUT_KINDS, Attempt, BackendFailed
 from labkit.gateway.routing import Router, make_router
 from labkit.http.openai import APIError, APIKeyAuthentication, add_error_handlers
 from labkit.http.urls import normalize_url
+from labkit.process import wait_until_async
 
 #: vllm-router keeps up to 500 idle connections per host (``pool_max_idle_per_host`` in
 #: ``src/server.rs``) and sets no cap on open ones. It keeps them 50 s; we keep them 2 s, less
@@ -283,12 +284,13 @@ class Gateway:
         url = normalize_url(url)
         if self.pool.get(url) is not None:
             raise APIError(400, f"Worker already exists: {url}", "url")
-        deadline = time.monotonic() + self.config.worker_startup_timeout_s
-        while not await self.pool.healthy_now(self.client, url):
-            if time.monotonic() >= deadline:
-                raise APIError(400, f"Failed to add worker {url}: not healthy after "
-                                        f"{self.config.worker_startup_timeout_s:g} s", "url")
-            await asyncio.sleep(self.config.probe_interval_s)
+        try:
+            await wait_until_async(lambda: self.pool.healthy_now(self.client, url),
+                                   self.config.worker_startup_timeout_s,
+                                   self.config.probe_interval_s)
+        except TimeoutError:
+            raise APIError(400, f"Failed to add worker {url}: not healthy after "
+                                f"{self.config.worker_startup_timeout_s:g} s", "url") from None
         if self.pool.get(url) is not None:  # added by a concurrent call while we waited
             raise APIError(400, f"Worker already exists: {url}", "url")
         self.metrics.watch(self.pool.add(url))

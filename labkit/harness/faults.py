@@ -38,6 +38,7 @@ from labkit.http.client import (
     stream_completion,
 )
 from labkit.http.metrics import sample_totals
+from labkit.process import wait_until_async
 from labkit.simulate import BenchRequest
 
 #: How :func:`run_with_fault` makes its victim fail.
@@ -94,6 +95,9 @@ async def run_with_fault(base_url: str, fleet: BackendFleet, victim: int,
     in_range("stop_s", stop_s, 0)
     finished = 0
     faulted_after = math.nan
+    enough_finished = asyncio.Event()  # set once ``fault_after`` of the streams have ended
+    if fault_after == 0:
+        enough_finished.set()
     # The client's read timeout is left unbounded: ``deadline_s`` decides when it gives up.
     async with client_pool(base_url, concurrency) as (client, gate):
         async def one(request: BenchRequest) -> StreamResult:
@@ -102,16 +106,18 @@ async def run_with_fault(base_url: str, fleet: BackendFleet, victim: int,
                 result = await stream_completion(client, fleet.model, request.prompt,
                                                  request.max_tokens, deadline_s=deadline_s)
             finished += 1
+            if finished >= fault_after * len(requests):
+                enough_finished.set()
             return result
+
+        async def victim_running() -> bool:
+            return await _running(client, fleet.urls[victim]) >= 1
 
         async def inject() -> None:
             nonlocal faulted_after
-            while finished < fault_after * len(requests):
-                await asyncio.sleep(0.01)
-            deadline = time.monotonic() + wait_running_s
-            while (time.monotonic() < deadline
-                   and await _running(client, fleet.urls[victim]) < 1):
-                await asyncio.sleep(0.005)
+            await enough_finished.wait()
+            with contextlib.suppress(TimeoutError):  # never running: fault it all the same
+                await wait_until_async(victim_running, wait_running_s, 0.005)
             faulted_after = finished
             if fault == "kill":
                 fleet.kill(victim)

@@ -338,7 +338,8 @@ async def benchmark_variants(requests: Sequence, variants: Mapping[str, Mapping]
             base_url = cfg.base_url
         try:
             if warmup_requests:
-                await benchmark_async(base_url, model, requests[:warmup_requests])
+                await benchmark_async(base_url, model, requests[:warmup_requests],
+                                      tokenizer=bench_kwargs.get("tokenizer"))
             results[name] = await benchmark_async(base_url, model, requests, **bench_kwargs)
         finally:
             if server is not None:

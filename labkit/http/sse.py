@@ -21,8 +21,9 @@ class IncompleteStream(Exception):
 
 
 def event_bytes(event: dict) -> bytes:
-    """One event as a server writes it: ``data: {json}`` and a blank line."""
-    return f"{DATA_PREFIX}{json.dumps(event)}\n\n".encode()
+    """One event as a server writes it: ``data: {json}`` and a blank line, in UTF-8 with
+    non-ASCII text as it is (as vLLM writes it, not as ``\\u`` escapes)."""
+    return f"{DATA_PREFIX}{json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
 DONE_BYTES = f"{DATA_PREFIX}{DONE}\n\n".encode()

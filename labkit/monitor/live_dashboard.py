@@ -27,6 +27,7 @@ from labkit.http.urls import instance_of, normalize_url
 from labkit.monitor.alert_watcher import AlertChange, AlertWatcher
 from labkit.monitor.base import Monitor
 from labkit.monitor.series import Labels
+from labkit.process import wait_until_async
 from labkit.units import prometheus_duration
 
 #: The colour of the line drawn where an alert entered a state.
@@ -243,14 +244,23 @@ class LiveDashboard:
         """Keep refreshing every ``every_s`` seconds until rule ``name`` has had an alert
         in ``state`` (``"resolved"`` after a load, say) and has none active; TimeoutError
         after ``timeout_s``."""
-        deadline = time.monotonic() + in_range("timeout_s", timeout_s, 0, low_open=True)
-        while state not in self.alerts.states(name) or any(
-                a.name == name for a in self.alerts.active):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} was not {state} and quiet within {timeout_s} s; "
-                                   f"its changes: {self.alerts.states(name)}")
-            await asyncio.sleep(self.every_s)
+        in_range("timeout_s", timeout_s, 0, low_open=True)
+
+        def settled() -> bool:
+            return state in self.alerts.states(name) and not any(
+                a.name == name for a in self.alerts.active)
+
+        async def refreshed_and_settled() -> bool:
             await self.refresh()
+            return settled()
+
+        if settled():
+            return
+        try:
+            await wait_until_async(refreshed_and_settled, timeout_s, self.every_s)
+        except TimeoutError:
+            raise TimeoutError(f"{name} was not {state} and quiet within {timeout_s} s; "
+                               f"its changes: {self.alerts.states(name)}") from None
 
     def peaks(self) -> dict[tuple[str, str], float]:
         """The highest value each plotted series reached (NaN samples ignored)."""

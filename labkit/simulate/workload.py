@@ -5,7 +5,8 @@ prompt length and output length (tokens). The simulator (chapter 3), the autosca
 (chapter 5), the capacity search (chapter 6) and the benchmark of a real server (chapter 2)
 all take one. It has two views: ``Workload.requests()``, the scheduler's requests with
 random token ids, and ``Workload.bench_requests()``, prompts as text for an HTTP server
-(one word of a small vocabulary per token: the server's tokenizer decides the exact count).
+(of exactly the workload's lengths, given the server's tokenizer, as ``vllm bench serve``
+makes them; one word per token without one).
 
 Arrivals follow ``vllm bench serve``: gaps drawn from a gamma distribution with shape
 ``burstiness`` and mean ``1 / request_rate`` (:func:`arrival_times`); burstiness 1 is a
@@ -30,11 +31,10 @@ import numpy as np
 
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.scheduling import Request
+from labkit.simulate.prompts import (WORDS, TokenizerLike, exact_length_text,
+                                     ordinary_token_ids, special_tokens_added)
 
 VOCAB_SIZE = 32000
-
-_WORDS = ("the cache holds keys and values for every token of every sequence while the "
-          "scheduler batches requests and the kernels read weights from memory").split()
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0,
@@ -123,6 +123,9 @@ class BenchRequest:
 
     prompt: str
     max_tokens: int
+    #: The tokens the server counts for ``prompt`` (``usage.prompt_tokens``, special tokens
+    #: included) where the prompt was made with its tokenizer; None for the words view.
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,18 +272,38 @@ class Workload:
                                     float(t)))
         return requests
 
-    def bench_requests(self) -> list[BenchRequest]:
-        """The benchmark's view (:ref:`ch02-benchmarking`): each prompt as text, one word per
-        token (the shared prefixes first), and its output length as ``max_tokens``."""
+    def bench_requests(self, tokenizer: TokenizerLike | None = None) -> list[BenchRequest]:
+        """The benchmark's view (:ref:`ch02-benchmarking`): each prompt as text (the shared
+        prefixes first) and its output length as ``max_tokens``.
+
+        Given the server's ``tokenizer``, each prompt is exactly as many tokens as the
+        workload says, by the server's count (special tokens included), made as
+        ``vllm bench serve`` makes its random dataset (:mod:`labkit.simulate.prompts`).
+        Without one, a prompt is one word per token, which the server counts as it
+        tokenizes them (about 2.5 tokens a word on the course's tiny Llama).
+        """
         rng = np.random.default_rng(self.seed)
-        prefixes = [rng.choice(_WORDS, size=self.prefix_len).tolist()
+        if tokenizer is None:
+            prefixes = [rng.choice(WORDS, size=self.prefix_len).tolist()
+                        for _ in range(self.num_prefixes if self.prefix_len else 0)]
+            requests = []
+            for i, (p, o) in enumerate(zip(self.prompt_lens, self.output_lens, strict=True)):
+                words = rng.choice(WORDS, size=p - self.prefix_len).tolist()
+                if prefixes:
+                    words = prefixes[i % self.num_prefixes] + words
+                requests.append(BenchRequest(" ".join(words), int(o)))
+            return requests
+        added, pool = special_tokens_added(tokenizer), ordinary_token_ids(tokenizer)
+        prefixes = [exact_length_text(tokenizer, rng.choice(pool, size=self.prefix_len),
+                                      self.prefix_len, rng, pool)[1]
                     for _ in range(self.num_prefixes if self.prefix_len else 0)]
         requests = []
         for i, (p, o) in enumerate(zip(self.prompt_lens, self.output_lens, strict=True)):
-            words = rng.choice(_WORDS, size=p - self.prefix_len).tolist()
-            if prefixes:
-                words = prefixes[i % self.num_prefixes] + words
-            requests.append(BenchRequest(" ".join(words), int(o)))
+            own = max(0, int(p) - added - self.prefix_len)  # room for BOS, as vLLM leaves it
+            ids = (prefixes[i % self.num_prefixes] if prefixes else []) \
+                + rng.choice(pool, size=own).tolist()
+            text, encoded = exact_length_text(tokenizer, ids, len(ids), rng, pool)
+            requests.append(BenchRequest(text, int(o), len(encoded) + added))
         return requests
 
     # -- equality on contents ---------------------------------------------------------------
