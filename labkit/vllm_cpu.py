@@ -11,6 +11,9 @@ wheels it pulls, which do not match that torch). Three facts shape how labkit ru
 - the KV cache is not a fraction of a GPU but ``VLLM_CPU_KVCACHE_SPACE`` GiB of host memory;
 - an idle server busy-polls about half a core: stop it before timing anything else.
 
+The labs also start it in eager mode (:data:`LAB_ENGINE_ARGS`): on CPU, compiling buys no
+speed and costs a quarter of a minute per start.
+
 The server is driven over HTTP like any other; the offline ``LLM`` runs in a worker process
 (``labkit.vllm_worker``) behind :class:`RemoteLLM`, which has the teaching engine's
 ``generate`` and returns the same output records.
@@ -62,6 +65,15 @@ def int4_kernels_available(cpuinfo: str | None = None) -> bool:
 def cpu_env(kv_cache_space_gib: float = KV_CACHE_SPACE_GIB) -> dict[str, str]:
     """Environment variables a vLLM CPU process needs."""
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
+
+
+#: The labs run vLLM's CPU build in eager mode. On CPU vLLM 0.32 switches Inductor off, so
+#: its torch.compile pass only traces the model: about 15 s more per start (43 s against 29 s
+#: on 2 idle cores, the tiny model), for decode throughput we could not tell apart from
+#: run-to-run noise (670 and 1,836 output tok/s compiled, 719 and 1,724 eager, 16 requests of
+#: 64 tokens, 8 at a time). On a GPU the same flag turns CUDA graphs off and slows every
+#: decode step: chapter 8 counts it among the flags not to ship.
+LAB_ENGINE_ARGS = {"enforce_eager": True}
 
 
 def server_command(python: str, vllm_serve: Sequence[str]) -> list[str]:

@@ -2,6 +2,7 @@
 (labkit.harness.lab_engines)."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -106,6 +107,9 @@ def test_the_server_a_lab_runs_on_each_path(tmp_path):
     command = lab_server_command("vllm", cfg, VLLM_CPU)
     assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(command, "--model") == cfg.model and flag(command, "--tensor-parallel-size") == "2"
+    assert command.count("--enforce-eager") == 1  # compiling on CPU costs starts, buys no speed
+    eager = replace(cfg, extra_args=("--enforce-eager",))
+    assert lab_server_command("vllm", eager, VLLM_CPU).count("--enforce-eager") == 1
     env = lab_server_env("vllm", cfg, VLLM_CPU)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" in env
     one = _tiny_cfg(tmp_path)

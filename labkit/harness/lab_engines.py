@@ -96,7 +96,8 @@ def offline_api(engine: str, path: LabPath | None = None):
 
         return VLLM, VLLMSamplingParams
     if engine == "vllm" and runs == "cpu":
-        return partial(vllm_cpu.RemoteLLM, path.vllm_cpu_python), SamplingParams
+        return partial(vllm_cpu.RemoteLLM, path.vllm_cpu_python,
+                       **vllm_cpu.LAB_ENGINE_ARGS), SamplingParams
     return LLM, SamplingParams
 
 
@@ -173,10 +174,12 @@ def flag_table_markdown(cfg: ServeConfig) -> str:
 def lab_server_command(engine: str, cfg: ServeConfig, path: LabPath | None = None) -> list[str]:
     """The command that serves ``cfg`` with ``engine`` here (:ref:`ch02-vllm`):
     :func:`~labkit.launch.command_for`'s, except that vLLM's CPU build starts as
-    ``python -m vllm.entrypoints.openai.api_server``."""
+    ``python -m vllm.entrypoints.openai.api_server``, in eager mode
+    (:data:`labkit.vllm_cpu.LAB_ENGINE_ARGS`)."""
     path = path or detect()
     if engine == "vllm" and path.runs("vllm") == "cpu":
-        return vllm_cpu.server_command(path.vllm_cpu_python, vllm_command(cfg))
+        eager = [] if "--enforce-eager" in cfg.extra_args else ["--enforce-eager"]
+        return vllm_cpu.server_command(path.vllm_cpu_python, [*vllm_command(cfg), *eager])
     return command_for(engine, cfg)
 
 
