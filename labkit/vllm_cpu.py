@@ -11,8 +11,8 @@ wheels it pulls, which do not match that torch). Three facts shape how labkit ru
 - the KV cache is not a fraction of a GPU but ``VLLM_CPU_KVCACHE_SPACE`` GiB of host memory;
 - an idle server busy-polls about half a core: stop it before timing anything else.
 
-The labs also start it in eager mode (:data:`LAB_ENGINE_ARGS`): on CPU, compiling buys no
-speed and costs a quarter of a minute per start.
+The labs also start it in eager mode (:data:`LAB_ENGINE_ARGS`), but for quantized
+checkpoints: on CPU, compiling buys no speed and costs a quarter of a minute per start.
 
 The server is driven over HTTP like any other; the offline ``LLM`` runs in a worker process
 (``labkit.vllm_worker``) behind :class:`RemoteLLM`, which has the teaching engine's

@@ -2,6 +2,7 @@
 (labkit.harness.lab_engines)."""
 
 import asyncio
+import json
 from dataclasses import replace
 
 import pytest
@@ -110,6 +111,11 @@ def test_the_server_a_lab_runs_on_each_path(tmp_path):
     assert command.count("--enforce-eager") == 1  # compiling on CPU costs starts, buys no speed
     eager = replace(cfg, extra_args=("--enforce-eager",))
     assert lab_server_command("vllm", eager, VLLM_CPU).count("--enforce-eager") == 1
+    # A quantized checkpoint keeps vLLM's default (its CPU W4A16 path failed in eager mode).
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "awq"}}))
+    assert "--enforce-eager" not in lab_server_command("vllm", cfg, VLLM_CPU)
     env = lab_server_env("vllm", cfg, VLLM_CPU)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" in env
     one = _tiny_cfg(tmp_path)

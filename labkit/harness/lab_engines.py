@@ -14,6 +14,7 @@ the decode step timed from outside (:func:`decode_step_s`) and tensor parallelis
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -178,9 +179,19 @@ def lab_server_command(engine: str, cfg: ServeConfig, path: LabPath | None = Non
     (:data:`labkit.vllm_cpu.LAB_ENGINE_ARGS`)."""
     path = path or detect()
     if engine == "vllm" and path.runs("vllm") == "cpu":
-        eager = [] if "--enforce-eager" in cfg.extra_args else ["--enforce-eager"]
+        eager = [] if "--enforce-eager" in cfg.extra_args or _quantized(cfg) \
+            else ["--enforce-eager"]
         return vllm_cpu.server_command(path.vllm_cpu_python, [*vllm_command(cfg), *eager])
     return command_for(engine, cfg)
+
+
+def _quantized(cfg: ServeConfig) -> bool:
+    """Whether ``cfg`` serves a quantized checkpoint: vLLM 0.32's CPU build served lab 04's
+    AWQ (W4A16) checkpoint compiled, but in eager mode its server stopped answering after it
+    got healthy (2026-12-07), so quantized checkpoints keep the default."""
+    config = Path(cfg.model) / "config.json"
+    return bool(cfg.quantization) or (config.is_file() and "quantization_config"
+                                      in json.loads(config.read_text(encoding="utf-8")))
 
 
 def lab_server_env(engine: str, cfg: ServeConfig, path: LabPath | None = None) -> dict[str, str]:
