@@ -159,9 +159,10 @@ class ServerProcess:
         self.ready_path = ready_path
         self.process: subprocess.Popen | None = None
         self.owned = True
-        with tempfile.NamedTemporaryFile("w", prefix="server-", suffix=".log",
-                                         delete=False) as log:
-            self.log_path = log.name
+        # The server's output goes to a temporary file while it runs; stop() keeps its lines
+        # (log_lines() still answers) and removes the file, so a run of servers leaves none.
+        self.log_path: str | None = None
+        self._final_log: list[str] | None = None
 
     @classmethod
     def attach(cls, base_url: str, log_path: str | None = None,
@@ -170,9 +171,7 @@ class ServerProcess:
         :meth:`stop` leaves it running."""
         server = cls([], base_url, ready_path=ready_path)
         server.owned = False
-        if log_path is not None:
-            os.unlink(server.log_path)
-            server.log_path = log_path
+        server.log_path = log_path
         if not server.ready():
             raise RuntimeError(f"the server at {base_url} is not ready "
                                f"({ready_path} does not answer 200)")
@@ -191,6 +190,11 @@ class ServerProcess:
         (``with`` on a started server does not start a second one)."""
         if self.process is not None and self.process.poll() is None:
             return self
+        if self.log_path is None:
+            with tempfile.NamedTemporaryFile("w", prefix="server-", suffix=".log",
+                                             delete=False) as log:
+                self.log_path = log.name
+        self._final_log = None
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True,
@@ -206,6 +210,9 @@ class ServerProcess:
 
         try:
             wait_until(up, self.startup_timeout_s, 0.25, what=f"{self.base_url} ready")
+        except RuntimeError:
+            self.stop()
+            raise
         except TimeoutError:
             self.stop()
             raise TimeoutError(f"server not ready after {self.startup_timeout_s} s:\n"
@@ -213,18 +220,28 @@ class ServerProcess:
         return self
 
     def stop(self, grace_s: float = 15) -> None:
-        """SIGTERM the whole process group (engines spawn workers), SIGKILL after grace."""
-        if not self.owned or self.process is None or self.process.poll() is not None:
+        """SIGTERM the whole process group (engines spawn workers), SIGKILL after grace;
+        then the log's lines are kept in memory and its file removed."""
+        if not self.owned or self.process is None:
             return
-        group = os.getpgid(self.process.pid)
-        os.killpg(group, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(group, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            group = os.getpgid(self.process.pid)
+            os.killpg(group, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(group, signal.SIGKILL)
+                self.process.wait()
+        if self.log_path is not None and os.path.exists(self.log_path):
+            self._final_log = self.log_lines()
+            os.unlink(self.log_path)
 
     def log_lines(self) -> list[str]:
+        """Every line the server wrote so far (after :meth:`stop`, all it wrote)."""
+        if self._final_log is not None:
+            return list(self._final_log)
+        if self.log_path is None:
+            return []
         with open(self.log_path, errors="replace") as f:
             return f.readlines()
 

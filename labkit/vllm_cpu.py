@@ -132,6 +132,7 @@ class RemoteLLM:
         with tempfile.NamedTemporaryFile("w", prefix="vllm-offline-", suffix=".log",
                                          delete=False) as log:
             self.log_path = log.name
+        self._final_log: list[str] | None = None
         worker = Path(__file__).with_name("vllm_worker.py")
         with open(self.log_path, "a") as log:
             self._process = subprocess.Popen(
@@ -156,22 +157,31 @@ class RemoteLLM:
                               None, o["num_cached_tokens"]) for o in answer["outputs"]]
 
     def log_lines(self) -> list[str]:
+        """Every line vLLM logged so far (after :meth:`close`, all it logged)."""
+        if self._final_log is not None:
+            return list(self._final_log)
         with open(self.log_path, errors="replace") as f:
             return f.readlines()
 
     def close(self) -> None:
-        """Stop the worker (and vLLM's engine processes with it)."""
+        """Stop the worker (and vLLM's engine processes with it); its log's lines are kept
+        in memory and the file removed."""
         if self._process.poll() is None:
             self._process.stdin.close()
             try:
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 kill_group(self._process)  # vLLM's engine runs in the worker's children
+        if self._final_log is None:
+            self._final_log = self.log_lines()
+            os.unlink(self.log_path)
 
     def __del__(self) -> None:
         process = getattr(self, "_process", None)
         if process is not None and process.poll() is None:
             kill_group(process)
+        if getattr(self, "_final_log", []) is None and os.path.exists(self.log_path):
+            os.unlink(self.log_path)  # never closed: its log goes with it
 
     def _call(self, request: dict) -> dict:
         self._process.stdin.write(json.dumps(request) + "\n")

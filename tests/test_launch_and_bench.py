@@ -170,15 +170,23 @@ def test_labkit_serve_subprocess_and_benchmark(tmp_path):
         assert result.request_goodput > 0
         assert 0 < result.median_ttft_ms <= result.p99_e2el_ms
         pid = server.process.pid
+        log_path, logged = server.log_path, server.log_lines()
+        assert os.path.exists(log_path)
     assert server.process.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the server is gone, not orphaned
+    # Its log file too; its lines stay readable.
+    assert not os.path.exists(log_path)
+    assert server.log_lines()[:len(logged)] == logged
 
 
 def test_server_that_fails_to_start_reports_its_log(tmp_path):
     cfg = ServeConfig(model=str(tmp_path / "missing"), port=18632)
+    server = ServerProcess(command_for("labkit", cfg), cfg.base_url, startup_timeout_s=60)
     with pytest.raises(RuntimeError, match="not a model directory"):
-        ServerProcess(command_for("labkit", cfg), cfg.base_url, startup_timeout_s=60).start()
+        server.start()
+    assert not os.path.exists(server.log_path)  # no log file left behind
+    assert "not a model directory" in "".join(server.log_lines())
 
 
 def test_multi_node_commands():

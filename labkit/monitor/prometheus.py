@@ -129,7 +129,6 @@ class PrometheusServer(Monitor):
         the HTTP client."""
         if self._server is not None:
             self._server.stop(grace_s=10)
-            os.unlink(self._server.log_path)
             self._server = None
         if self._folder is not None:
             self._folder.cleanup()
