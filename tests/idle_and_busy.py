@@ -1,5 +1,6 @@
-"""Run the suites that wait on real servers again with every core busy (``make test-busy``;
-``.ci/run`` runs it after ``make test``, which ran them on a machine busy only with itself).
+"""Run the suites that wait on real servers again with every core busy (``make test-busy``,
+after ``make test``, which ran them on a machine busy only with itself; not a step of
+``.ci/run``, whose time it would push past CI's 20 minutes).
 
 A test that needs a state mid-flight must hold it there (a backend it controls, a gate, a
 fake clock), never hope that work is still running or already done: such a test passes on
