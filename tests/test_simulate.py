@@ -2,17 +2,19 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import labkit.data
 from labkit.hardware import step_bound
 from labkit.kvcache import KVCacheManager
 from labkit.scheduling import Request, Scheduler, SchedulerConfig, StaticBatchScheduler
 from labkit.checks import ParameterError
 from labkit.lab import detect
-from labkit.simulate import (RooflineCost, Workload, arrival_times, load_trace,
-                             multi_turn_workload, random_dataset, random_length_bounds,
+from labkit.simulate import (TRACES, RooflineCost, Workload, arrival_times, interarrival_cv,
+                             load_trace, multi_turn_workload, random_dataset, random_length_bounds,
                              random_lengths, sample_lengths, shared_prefix_dataset, simulate,
                              summarize)
 
@@ -83,6 +85,65 @@ def test_trace_replay(tmp_path):
     bad.write_text("time,prompt_len,output_len\n0,1,1\n")
     with pytest.raises(ParameterError, match="every row of bad.csv needs 'arrival_time'"):
         load_trace(bad)
+
+
+def test_azure_layout_and_the_traces_that_ship(tmp_path):
+    """Azure's columns, in any order and with a byte-order mark: seconds after the first
+    timestamp (7 fractional digits, as Azure writes them), read by hand here."""
+    path = tmp_path / "azure.csv"
+    path.write_text("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:47.2500000,30,4\n"
+                    "2023-11-16 18:15:46.0000000,10,2\n"
+                    "2023-11-16 18:16:46.0000001,20,3\n", encoding="utf-8")
+    azure = load_trace(path)
+    assert azure.arrival_s.tolist() == pytest.approx([0.0, 1.25, 60.0000001], abs=1e-9)
+    assert azure.prompt_lens.tolist() == [10, 30, 20]
+    assert azure.output_lens.tolist() == [2, 4, 3]
+    for name, row in TRACES.items():
+        trace = load_trace(name)
+        # The first request of each file, read from its second line by hand.
+        lines = (Path(labkit.data.__file__).parent / row["file"]).read_text().splitlines()
+        stamp, prompt, output = lines[1].split(",")
+        assert (trace.arrival_s[0], trace.prompt_lens[0], trace.output_lens[0]) == (
+            0.0, int(prompt), int(output))
+        assert len(trace) == int(row["requests"]) == len(lines) - 1
+        assert trace.duration_s == 600 and trace.arrival_s[-1] < 600
+        assert row["license"] == "CC-BY-4.0" and row["source"].startswith("https://github.com/")
+    # Azure's code service arrives in bursts; its chat service close to Poisson (Splitwise,
+    # figure 3), from the gaps computed here without numpy.
+    for name, low, high in (("azure-code-2023", 5, 50), ("azure-conv-2023", 0.9, 1.3)):
+        times = load_trace(name).arrival_s.tolist()
+        gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+        mean = sum(gaps) / len(gaps)
+        std = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+        assert interarrival_cv(load_trace(name)) == pytest.approx(std / mean)
+        assert low < std / mean < high, name
+    with pytest.raises(ParameterError, match="trace must be a file or one of"):
+        load_trace("azure-2099")
+
+
+def test_scaled_to_rate_keeps_the_bursts():
+    trace = load_trace("azure-code-2023")
+    slow = trace.scaled_to_rate(0.5)
+    assert len(slow) / slow.duration_s == pytest.approx(0.5)
+    factor = slow.duration_s / trace.duration_s
+    assert slow.arrival_s == pytest.approx(trace.arrival_s * factor)
+    assert interarrival_cv(slow) == pytest.approx(interarrival_cv(trace))
+    assert (slow.prompt_lens == trace.prompt_lens).all()
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ParameterError, match="request_rate"):
+            trace.scaled_to_rate(bad)
+    with pytest.raises(ParameterError, match="no rate to scale"):
+        Workload.fixed(10, 5, 4).scaled_to_rate(1.0)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_gaps_have_the_cv_their_shape_gives(burstiness):
+    """Gamma gaps of shape k: coefficient of variation 1 / sqrt(k) (1 for Poisson)."""
+    workload = Workload.fixed(10, 5, 40_000).at_rate(10.0, burstiness)
+    assert interarrival_cv(workload) == pytest.approx(burstiness ** -0.5, rel=0.03)
+    with pytest.raises(ParameterError, match="workload"):
+        interarrival_cv(Workload.fixed(10, 5, 4))
 
 
 def test_roofline_cost_is_chapter_1s_bound():

@@ -25,14 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from labkit.simulate import BenchRequest
 from labkit.checks import ParameterError, in_range, positive_int
 from labkit.harness.counters import BackendCounters, fleet_hit_rate, read_counters
 from labkit.http.client import StreamResult, client_pool, stream_completion
-
-# Words the prompts are made of (deterministic text; the tiny model answers gibberish).
-_WORDS = ("requests tokens cache prefix block gateway backend stream latency batch queue "
-          "prompt reply model server route replica memory decode prefill").split()
+from labkit.simulate import BenchRequest, Workload, sample_lengths
+from labkit.simulate.prompts import WORDS
 
 
 # -- requests that differ in cost ------------------------------------------------------------
@@ -86,17 +83,22 @@ async def balance_run(label: str, base_url: str, fleet_urls: Sequence[str], mode
 def varied_requests(num_requests: int, seed: int = 0, *, prompt_words: tuple[int, int] = (8, 80),
                     max_tokens: tuple[int, int] = (8, 64)) -> list[BenchRequest]:
     """Prompts and output lengths drawn uniformly from the given (low, high) ranges, so
-    requests differ in cost, as real ones do: what a load-aware router can exploit."""
-    rng = np.random.default_rng(seed)
-    for name, (low, high) in (("prompt_words", prompt_words), ("max_tokens", max_tokens)):
+    requests differ in cost, as real ones do: what a load-aware router can exploit. A
+    :class:`~labkit.simulate.Workload` of those lengths, as text of one word per token
+    (:meth:`~labkit.simulate.Workload.bench_requests`)."""
+    positive_int("num_requests", num_requests)
+    lengths = []
+    for k, (name, (low, high)) in enumerate((("prompt_words", prompt_words),
+                                             ("max_tokens", max_tokens))):
         positive_int(name, low)
         if high < low:
             raise ParameterError(name, f"{name} must be (low, high) with high >= low, "
                                        f"got {(low, high)}")
-    return [BenchRequest(" ".join(rng.choice(_WORDS, size=int(rng.integers(*prompt_words,
-                                                                             endpoint=True)))),
-                         int(rng.integers(*max_tokens, endpoint=True)))
-            for _ in range(num_requests)]
+        lengths.append(sample_lengths("uniform", num_requests, seed + k, low=low, high=high))
+    return Workload(np.zeros(num_requests), *lengths, seed=seed,
+                    description=f"{num_requests} requests of {prompt_words[0]}-"
+                                f"{prompt_words[1]} words in, {max_tokens[0]}-"
+                                f"{max_tokens[1]} tokens out").bench_requests()
 
 
 # -- chat sessions that resend their history -------------------------------------------------
@@ -139,7 +141,7 @@ def chat_workload(num_conversations: int, turns: int, *, system_words: int = 40,
     rng = np.random.default_rng(seed)
 
     def words(n: int) -> str:
-        return " ".join(rng.choice(_WORDS, size=n))
+        return " ".join(rng.choice(WORDS, size=n))
 
     shared = words(system_words)
     return [Conversation(f"conv-{c}", shared if shared_system_prompt else words(system_words),

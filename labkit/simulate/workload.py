@@ -12,20 +12,18 @@ Arrivals follow ``vllm bench serve``: gaps drawn from a gamma distribution with 
 ``burstiness`` and mean ``1 / request_rate`` (:func:`arrival_times`); burstiness 1 is a
 Poisson process, lower is burstier. Lengths are fixed, uniform, long-tailed (log-normal, like
 chat traffic, :func:`sample_lengths`) or drawn by vLLM's random-dataset rule
-(:func:`random_lengths`, :func:`random_dataset`). Token ids are random, except where a
+(:func:`random_lengths`, :func:`random_dataset`); a production trace keeps its own
+(:mod:`labkit.simulate.traces`). Token ids are random, except where a
 workload shares prefixes on purpose (``prefix_len``, :func:`multi_turn_workload`), so prefix
 caching hits exactly where it should.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 
@@ -215,6 +213,21 @@ class Workload:
         return replace(self, arrival_s=arrival_times(len(self), request_rate, burstiness,
                                                      self.seed), duration_s=None)
 
+    def scaled_to_rate(self, request_rate: float) -> Workload:
+        """The same arrivals with every gap (and ``duration_s``) scaled by one factor, so
+        that ``len(self) / duration_s`` is ``request_rate`` per second: a trace's bursts kept
+        at another load, where :meth:`at_rate` would draw new gaps (:ref:`ch03-traces`)."""
+        in_range("request_rate", request_rate, 0, low_open=True)
+        if not math.isfinite(request_rate):
+            raise ParameterError("request_rate", "request_rate must be finite: use "
+                                                 "at_rate(inf) for everything at once")
+        if len(self) == 0 or self.duration_s == 0:
+            raise ParameterError("request_rate", "a workload whose requests all arrive at "
+                                                 "t = 0 has no rate to scale: use at_rate")
+        factor = len(self) / self.duration_s / request_rate
+        return replace(self, arrival_s=self.arrival_s * factor,
+                       duration_s=self.duration_s * factor)
+
     # -- what it holds ----------------------------------------------------------------------
 
     def __len__(self) -> int:
@@ -379,24 +392,3 @@ def multi_turn_workload(num_conversations: int, turns: int, system_prompt_len: i
             history = prompt + answer
             k += 1
     return sorted(requests, key=lambda r: r.arrival_time)
-
-
-def load_trace(path: str | Path, seed: int = 0) -> Workload:
-    """A workload from a trace file (:ref:`ch03-simulating`): CSV or JSON lines with
-    ``arrival_time`` (s), ``prompt_len`` and ``output_len``, put in arrival order. Token ids
-    and words come from ``seed`` (traces rarely ship text)."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        if path.suffix == ".csv":
-            rows = list(csv.DictReader(f))
-        else:
-            rows = [json.loads(line) for line in f if line.strip()]
-    try:
-        columns = [[float(r["arrival_time"]), int(r["prompt_len"]), int(r["output_len"])]
-                   for r in rows]
-    except KeyError as err:
-        raise ParameterError("path", f"path: every row of {path.name} needs "
-                                     f"{err.args[0]!r}") from None
-    columns.sort(key=lambda row: row[0])
-    times, prompts, outputs = zip(*columns, strict=True) if columns else ((), (), ())
-    return Workload(times, prompts, outputs, seed=seed, description=f"trace {path.name}")
