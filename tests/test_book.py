@@ -133,7 +133,8 @@ def test_chapter_2_tables_and_measurement(built):
 def test_chapter_3_is_computed_and_cited(built):
     page = (built / "chapters" / "ch03_paged_attention_batching_parallelism.html").read_text()
     assert "{glue" not in page and "Not written yet." not in page
-    assert page.count("<img") >= 3                   # usage/latency, sweep, TP scaling
+    assert page.count("<img") >= 4            # usage/latency, sweep, trace, TP scaling
+    assert "Azure code trace" in page and "Patel" in page  # the replayed trace, cited
     assert "static: 200 steps, continuous: 100 steps" in page   # the tutorial's toy
     assert "references.html#id" in page or "references.html" in page  # citations link out
     assert "Kwon" in (built / "references.html").read_text()         # bibliography rendered
@@ -146,7 +147,7 @@ def test_chapter_4_comparison_table_is_computed(built):
 
 
 @pytest.mark.parametrize("chapter, figures", [("ch01_gpu_selection", 3), ("ch02_engines", 1),
-                                              ("ch03_paged_attention_batching_parallelism", 7),
+                                              ("ch03_paged_attention_batching_parallelism", 8),
                                               ("ch05_gateway_autoscaling", 3)])
 def test_figures_are_numbered_captioned_and_referenced(built, chapter, figures):
     page = (built / "chapters" / f"{chapter}.html").read_text()

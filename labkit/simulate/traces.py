@@ -1,9 +1,9 @@
-"""Replayed traces: a production service's arrivals and lengths as a :class:`Workload`
-(:ref:`ch03-traces`).
+"""Replayed traces: a production service's arrivals and lengths as a
+:class:`~labkit.simulate.Workload` (:ref:`ch03-traces`).
 
-Synthetic arrivals (:func:`~labkit.simulate.workload.arrival_times`) are gamma gaps around a
-mean rate; a real service's are not: users arrive together, a batch job fires a thousand
-requests in a second. A trace keeps that shape. :func:`load_trace` reads two layouts:
+Synthetic arrivals (:func:`~labkit.simulate.arrival_times`) are gamma gaps around a mean
+rate; a real service's keep to no mean rate: many requests come together, then few for a
+while. A trace keeps that shape. :func:`~labkit.simulate.load_trace` reads two layouts:
 
 - labkit's: ``arrival_time`` (seconds), ``prompt_len`` and ``output_len`` (tokens), in CSV or
   JSON lines;
@@ -11,9 +11,10 @@ requests in a second. A trace keeps that shape. :func:`load_trace` reads two lay
   ``ContextTokens``, ``GeneratedTokens``, the layout of the two excerpts that ship in
   ``labkit/data`` (:data:`TRACES` lists them with their source and licence, CC-BY 4.0).
 
-A trace's burstiness is read from its gaps (:func:`interarrival_cv`): a Poisson process has a
-coefficient of variation of 1, and gamma gaps of shape ``k`` have ``1 / sqrt(k)``, so
-``1 / cv**2`` is the ``burstiness`` that ``vllm bench serve`` would need to match it.
+A trace's burstiness is read from its gaps (:func:`~labkit.simulate.interarrival_cv`): a
+Poisson process has a coefficient of variation of 1, and gamma gaps of shape ``k`` have
+``1 / sqrt(k)``, so ``1 / cv**2`` is the ``burstiness`` that ``vllm bench serve`` would need
+to match it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ LABKIT_COLUMNS = ("arrival_time", "prompt_len", "output_len")
 
 
 def load_trace(trace: str | Path, seed: int = 0) -> Workload:
-    """A workload from a trace: a name in :data:`TRACES` (``"azure-code-2023"``) or a file in
-    either layout (module docstring), put in arrival order. Azure's timestamps become seconds
-    after the trace's first request. Token ids and words come from ``seed`` (traces rarely
-    ship text)."""
+    """A workload from a trace: a name in :data:`~labkit.simulate.traces.TRACES`
+    (``"azure-code-2023"``) or a file in either layout (:mod:`labkit.simulate.traces`), put
+    in arrival order. Azure's timestamps become seconds after the trace's first request.
+    Token ids and words come from ``seed`` (traces rarely ship text)."""
     if str(trace) in TRACES:
         row = TRACES[str(trace)]
         rows = list(csv.DictReader(read_text(row["file"]).splitlines()))
