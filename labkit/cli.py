@@ -40,6 +40,10 @@ def gateway_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a relayed stream may go without a byte before it is cut "
                         "with an error event (default 10)")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request's headers this "
+                        "long after it opened or after its last response (default 60, as "
+                        "nginx's client_header_timeout)")
     p.add_argument("--session-header", default="x-session-id",
                    help="header whose value keys consistent_hash routing")
     p.add_argument("--seed", type=int, default=None, help="seed of the router's randomness")
@@ -71,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def gateway(ns: argparse.Namespace) -> int:
     """Serve a :class:`labkit.gateway.Gateway` until SIGTERM; returns the exit status."""
-    import uvicorn
-
     from labkit.gateway import Gateway, GatewayConfig
     from labkit.gateway.config import check_exposure
+    from labkit.http.serve import header_timeout_protocol, run
 
     timeouts = {name: value for name, value in (
         ("first_byte_timeout_s", ns.first_byte_timeout),
@@ -84,23 +87,22 @@ def gateway(ns: argparse.Namespace) -> int:
         config = GatewayConfig(ns.strategy, seed=ns.seed, session_header=ns.session_header,
                                api_key=ns.api_key, **timeouts)
         app = Gateway(ns.backend, config).app
+        http = header_timeout_protocol(ns.header_timeout)
     except ValueError as err:
         print(f"labkit gateway: {err}", file=sys.stderr)
         return 2
-    # As labkit serve: a bounded graceful shutdown, so SIGTERM ends open streams too.
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning",
-                timeout_graceful_shutdown=2)
+    run(app, ns.host, ns.port, http)
     return 0
 
 
 def serve(ns: argparse.Namespace) -> int:
     """Start the engine, then the HTTP server; returns the process exit status."""
-    import uvicorn
-
     from labkit.engine.async_engine import AsyncLLMEngine
     from labkit.engine.server import build_app
+    from labkit.http.serve import header_timeout_protocol, run
 
     try:
+        http = header_timeout_protocol(ns.header_timeout)
         engine = AsyncLLMEngine(engine_args(ns), ns.served_model_name or ns.model)
     except (ValueError, RuntimeError) as err:  # RuntimeError: the device ran out at startup
         print(f"labkit serve: {err}", file=sys.stderr)
@@ -109,9 +111,7 @@ def serve(ns: argparse.Namespace) -> int:
     limits = {} if ns.max_request_bytes is None else {"max_request_bytes": ns.max_request_bytes}
     app = build_app(engine, api_key=api_key, **limits)
     try:
-        # A bounded graceful shutdown: SIGTERM stops the process even with clients attached.
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning",
-                    timeout_graceful_shutdown=2)
+        run(app, ns.host, ns.port, http)
     finally:
         engine.shutdown()
     return 0

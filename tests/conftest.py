@@ -7,12 +7,13 @@ import matplotlib
 matplotlib.use("Agg")
 
 
-def serve_asgi(app):
+def serve_asgi(app, **options):
     """Serve any ASGI app (lifespan included) on a free loopback port, in a thread; yields the
-    base URL and stops the server on exit (:func:`labkit.harness.asgi.serve_in_thread`)."""
+    base URL and stops the server on exit (:func:`labkit.harness.asgi.serve_in_thread`;
+    ``options`` go to ``uvicorn.Config``)."""
     from labkit.harness.asgi import serve_in_thread as serve_app
 
-    return serve_app(app)
+    return serve_app(app, **options)
 
 
 @contextlib.contextmanager

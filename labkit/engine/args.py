@@ -54,6 +54,10 @@ def serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse request bodies larger than this with HTTP 413 "
                         "(default: 4 MiB)")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request's headers this "
+                        "long after it opened or after its last response (default 60, as "
+                        "nginx's client_header_timeout)")
     return p
 
 

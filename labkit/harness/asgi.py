@@ -15,14 +15,15 @@ from labkit.process import free_port, wait_until
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, startup_timeout_s: float = 30.0) -> Iterator[str]:
+def serve_in_thread(app, startup_timeout_s: float = 30.0, **options) -> Iterator[str]:
     """Serve ``app`` with uvicorn on ``127.0.0.1`` and a free port in a daemon thread; yield
-    its base URL; on exit ask it to stop (2 s of grace for open connections) and join."""
+    its base URL; on exit ask it to stop (2 s of grace for open connections) and join.
+    ``options`` go to ``uvicorn.Config`` (``http=``: a protocol class)."""
     import uvicorn
 
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
