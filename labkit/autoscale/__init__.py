@@ -23,19 +23,19 @@ from labkit.autoscale.observation import (CONCURRENCY, GPU_UTILIZATION, KV_CACHE
                                           WAITING, Observation, PodMetrics, Policy)
 from labkit.autoscale.threshold import (GPUMetric, ScaleEvent, ThresholdPolicy, ThresholdRule,
                                         demo_metric, threshold_demo)
-from labkit.autoscale.simulate import (COLD_START_S, AutoscaleResult, FleetConfig,
-                                       PolicySummary, ReplicaRecord, Timeline,
-                                       bursty_trace, compare_policies, comparison_table,
-                                       diurnal_trace, simulate_autoscaling, step_trace,
-                                       trace_from_rate)
+from labkit.autoscale.simulate import (CLEAN_POD_START_S, COLD_START_S, COLD_START_STEPS_S,
+                                       AutoscaleResult, FleetConfig, PolicySummary,
+                                       ReplicaRecord, Timeline, bursty_trace, compare_policies,
+                                       comparison_table, diurnal_trace, simulate_autoscaling,
+                                       step_trace, trace_from_rate)
 
 __all__ = [
-    "COLD_START_S", "CONCURRENCY", "DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "GPU_UTILIZATION",
-    "KV_CACHE_USAGE", "RUNNING", "WAITING", "AutoscaleResult", "FleetConfig", "GPUMetric",
-    "HPADecision", "HPAScalingPolicy", "HPAScalingRules", "HorizontalPodAutoscaler",
-    "KPADecision", "KedaAutoscaler", "KnativePodAutoscaler", "Observation", "PodMetrics",
-    "Policy", "PolicySummary", "ReplicaRecord", "ScaleEvent", "ThresholdPolicy",
-    "ThresholdRule", "Timeline", "bursty_trace", "compare_policies", "comparison_table",
-    "demo_metric", "diurnal_trace", "simulate_autoscaling", "step_trace", "threshold_demo",
-    "trace_from_rate",
+    "CLEAN_POD_START_S", "COLD_START_S", "COLD_START_STEPS_S", "CONCURRENCY",
+    "DEFAULT_SCALE_DOWN", "DEFAULT_SCALE_UP", "GPU_UTILIZATION", "KV_CACHE_USAGE", "RUNNING",
+    "WAITING", "AutoscaleResult", "FleetConfig", "GPUMetric", "HPADecision",
+    "HPAScalingPolicy", "HPAScalingRules", "HorizontalPodAutoscaler", "KPADecision",
+    "KedaAutoscaler", "KnativePodAutoscaler", "Observation", "PodMetrics", "Policy",
+    "PolicySummary", "ReplicaRecord", "ScaleEvent", "ThresholdPolicy", "ThresholdRule",
+    "Timeline", "bursty_trace", "compare_policies", "comparison_table", "demo_metric",
+    "diurnal_trace", "simulate_autoscaling", "step_trace", "threshold_demo", "trace_from_rate",
 ]

@@ -11,6 +11,16 @@ import csv
 import json
 from importlib import resources
 
+#: The course's edition (year and month). A row's ``as_of`` may not come after it.
+EDITION = "2026-12"
+
+#: The oldest ``as_of`` a row may have in this edition: older rows need a newer source, or a
+#: note that says none exists (:data:`NO_NEWER_SOURCE` in their ``notes``). Both dates are
+#: written here, never read from the clock, so that the tables cannot go stale by themselves
+#: between two editions (``tests/test_data_sources.py``).
+OLDEST_AS_OF = "2025-01-01"
+NO_NEWER_SOURCE = "no newer source"
+
 
 def read_text(name: str) -> str:
     """The text of the data file ``name`` (e.g. ``"gpus.csv"``), UTF-8."""

@@ -1,0 +1,137 @@
+"""Every number in labkit's data tables has a source and a date of this edition (chapters 1-8).
+
+A row's ``as_of`` is the date of what its ``source`` says (a price list's update, a report's
+publication, the day a page was read). It must come between ``OLDEST_AS_OF`` and the
+``EDITION``, both written in ``labkit.data``, never taken from today's clock, so the suite
+cannot turn red on its own; a row older than that stays only with a note saying that no newer
+source exists, or while it is listed in ``STALE_ROWS`` with what its update will be (a list
+that can only shrink).
+"""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import labkit.data
+from labkit.data import EDITION, NO_NEWER_SOURCE, OLDEST_AS_OF, read_csv, read_json
+
+DATA = Path(labkit.data.__file__).parent
+DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
+#: Trace files keep their publisher's columns; ``traces.csv`` sources and dates them.
+TRACE_FILES = {row["file"] for row in read_csv("traces.csv")}
+TABLES = sorted(p.name for p in DATA.glob("*.csv") if p.name not in TRACE_FILES)
+
+
+#: Rows older than ``OLDEST_AS_OF`` still waiting for their update, each with what a search of
+#: December 2026 found (a newer figure changes chapter 7's results and lab 07's stored table,
+#: so they move together). The list may only shrink: a row brought up to date must leave it.
+STALE_ROWS = {
+    ("gpu_capex.csv", "H100 SXM | H100 SXM | 1 | new | 2023-08"): "aggregators of 2026 say $25-30k",
+    ("gpu_capex.csv", "RTX 4090 | RTX 4090 | 1 | new | 2022-09-21"):
+        "launch price; PC Perspective's RTX 5090 review (2025-01) restates $1,599",
+    ("gpu_capex.csv", "DGX H100 | H100 SXM | 8 | new | 2023-05"):
+        "no newer public estimate found",
+    ("gpu_capex.csv", "8x H100 SXM server | H100 SXM | 8 | new | 2024-08"):
+        "no newer quotation found",
+    ("gpu_prices.csv", "H100 SXM | AWS | capacity_block | 4.916 | 2024-12"):
+        "AWS's June 2025 cut covered On-Demand and Savings Plans, not Capacity Blocks",
+    ("gpu_prices.csv", "H200 SXM | AWS | capacity_block | 5.408 | 2024-12"):
+        "raised in January 2026 to $39.80 per p5e.48xlarge hour (press, not AWS's page)",
+    ("gpu_prices.csv", "A100 40GB | AWS | capacity_block | 1.844 | 2024-12"): "no newer rate found",
+    **{("tco_inputs.csv", f"electricity_usd_kwh | {price} | USD/kWh | {what} | {as_of}"):
+       "EIA's Electric Power Annual with 2024 data (secrev-map.php) to be read"
+       for price, what, as_of in (
+           ("0.0806", "US average retail price to industrial customers, 2023 (EIA)",
+            "2024-03-18"),
+           ("0.0575", "New Mexico, industrial, average revenue per kWh, 2023", "2024-10-17"),
+           ("0.0660", "Texas, industrial, average revenue per kWh, 2023", "2024-10-17"),
+           ("0.0892", "Virginia, industrial, average revenue per kWh, 2023", "2024-10-17"),
+           ("0.1864", "California, industrial, average revenue per kWh, 2023", "2024-10-17"))},
+    ("tco_inputs.csv", "pue | 1.58 | ratio | industry average power usage effectiveness, "
+                       "Uptime Institute Global Data Center Survey 2023 | 2023-11-23"):
+        "Uptime's 2024 survey: 1.56; its 2025 survey: 'little change' (1.54 reported)",
+    ("tco_inputs.csv",
+     "pue | 1.10 | ratio | Google's fleet PUE, second quarter of 2021 | 2022-04-13"):
+        "Google's environmental reports: 1.09 for 2024 and for 2025",
+    ("tco_inputs.csv", "colocation_usd_kw_month | 163.44 | USD/kW/month | CBRE average "
+                       "monthly asking rate, 250-500 kW, North American primary markets, "
+                       "H2 2023 | 2024-03-29"): "superseded by the table's H2 2024 row ($184.06)",
+    ("tco_inputs.csv", "depreciation_years | 6 | years | Alphabet's and Microsoft's "
+                       "estimated useful life of servers from 2023 | 2023-02"):
+        "still six years in 2025 (secondary sources); Amazon went from 6 to 5 for a subset "
+        "from 2025-01-01 (10-K for 2024)",
+    ("tco_inputs.csv", "depreciation_years | 5 | years | Meta's estimated useful life of "
+                       "servers from 2023 | 2023-02"):
+        "Meta: 5.5 years from 2025-01-01 (10-Q, Q3 2025)",
+    ("tco_inputs.csv", "depreciation_years | 3 | years | the same four companies' server "
+                       "lives in 2020 | 2023-02"):
+        "historical; check the 2020 lives against the source",
+    ("tco_inputs.csv", "staff_usd_year | 90520 | USD/year | median annual wage, network and "
+                       "computer systems administrators, May 2022 (BLS) | 2022-05"):
+        "BLS May 2024: $96,800",
+}
+
+
+def row_key(table: str, row: dict[str, str]) -> tuple[str, str]:
+    """A row by its first four columns and its date (two rows may share the four)."""
+    return table, " | ".join([*list(row.values())[:4], row["as_of"]])
+
+
+def check_row(where: str, source: str, as_of: str, notes: str = "", stale: bool = False) -> None:
+    """``stale``: a row of :data:`STALE_ROWS`, which must still be old."""
+    assert source.strip(), f"{where}: no source"
+    assert DATE.match(as_of), f"{where}: as_of {as_of!r} is not YYYY-MM or YYYY-MM-DD"
+    assert as_of[:7] <= EDITION, f"{where}: as_of {as_of} comes after the edition {EDITION}"
+    if stale:
+        assert as_of < OLDEST_AS_OF, f"{where} is up to date: drop it from STALE_ROWS"
+        return
+    assert as_of >= OLDEST_AS_OF or NO_NEWER_SOURCE in notes.lower(), (
+        f"{where}: as_of {as_of} is older than {OLDEST_AS_OF}: cite a newer source, or say in "
+        f"its notes that there is {NO_NEWER_SOURCE!r} and why")
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_every_row_of_every_table_has_a_source_and_a_date(table):
+    rows = read_csv(table)
+    assert rows, table
+    assert {"source", "as_of"} <= set(rows[0]), f"{table} needs source and as_of columns"
+    for i, row in enumerate(rows, start=2):  # line 1 is the header
+        check_row(f"{table}:{i}", row["source"], row["as_of"], row.get("notes") or "",
+                  stale=row_key(table, row) in STALE_ROWS)
+
+
+def test_every_stale_row_still_exists():
+    keys = {row_key(table, row) for table in TABLES for row in read_csv(table)}
+    assert set(STALE_ROWS) <= keys, set(STALE_ROWS) - keys
+
+
+def test_json_tables_and_schemas_have_a_source_and_a_date():
+    for model in read_json("models.json")["models"]:
+        check_row(f"models.json {model['name']}", model["params_source"], model["as_of"])
+    metrics = read_json("vllm_metrics.json")
+    check_row("vllm_metrics.json", metrics["source"], metrics["as_of"])
+    for schema in sorted(DATA.glob("*.schema.json")):
+        comment = json.loads(schema.read_text())["$comment"]
+        copied = re.search(r"copied (\d{4}-\d{2}-\d{2})", comment)
+        assert copied, f"{schema.name}: its $comment says where it comes from and when copied"
+        check_row(schema.name, comment, copied.group(1))
+
+
+def test_traces_are_the_files_traces_csv_sources():
+    for name in TRACE_FILES:
+        with (DATA / name).open(encoding="utf-8") as f:
+            assert next(csv.reader(f)) == ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+
+
+def test_the_check_fails_on_a_row_without_source_or_date():
+    """The rule can fail: each way a row breaks it, named."""
+    for args, message in ((("", "2026-01"), "no source"),
+                          (("s", "Dec 2026"), "not YYYY-MM"),
+                          (("s", "2027-01-01"), "after the edition"),
+                          (("s", "2022-05"), "older than")):
+        with pytest.raises(AssertionError, match=message):
+            check_row("row", *args)
+    check_row("row", "s", "2022-05", f"the series ended in 2022: {NO_NEWER_SOURCE}")
