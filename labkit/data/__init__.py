@@ -19,6 +19,9 @@ EDITION = "2026-12"
 #: written here, never read from the clock, so that the tables cannot go stale by themselves
 #: between two editions (``tests/test_data_sources.py``).
 OLDEST_AS_OF = "2025-01-01"
+
+#: The words a row's ``notes`` carry when it stays older than :data:`OLDEST_AS_OF` because
+#: nothing newer has been published.
 NO_NEWER_SOURCE = "no newer source"
 
 
