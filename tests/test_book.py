@@ -84,8 +84,10 @@ def test_chapter_6_sharing_is_computed_and_cited(built):
 def test_chapter_7_is_computed_and_cited(built):
     page = (built / "chapters" / "ch07_cloud_vs_self_hosted.html").read_text()
     assert "{glue" not in page and "Not written yet." not in page
-    assert "power_usd         $   948.22" in page      # 10.2 kW x 1.58 x 730 h x $0.0806
-    assert "depreciation_usd  $ 4,500.00" in page      # $270,000 / 60 months
+    # 10.2 kW x 0.8333 (typical draw) x 1.54 x 730 h x $0.0813 = $776.84
+    assert "power_usd         $   776.84" in page
+    assert "depreciation_usd  $ 4,090.91" in page      # $270,000 / 66 months (5.5 years)
+    assert "capacity block: AWS, p5.48xlarge" in page  # the committed offer, priced too
     assert "simulated: Llama-3-70B fp8 on 4 x H100 SXM" in page
     assert "margin m = a Q - c" in page and "self-hosted is cheaper (1 server(s))" in page
     assert "never: a fully used server replaces" in page

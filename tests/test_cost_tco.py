@@ -334,13 +334,13 @@ def test_tutorial_prices_unknown_gpus_silently():
 
 def test_tutorial_power_ignores_tdp_pue_and_price():
     # $150 per GPU per month whatever the GPU: our model gives 8 x 350 W vs 8 x 700 W half the
-    # bill, and California's industrial rate (18.64 c) 3.2x New Mexico's (5.75 c).
+    # bill, and California's industrial rate of 2024 (21.53 c) 3.7x New Mexico's of 2023 (5.75 c).
     h100, l40s = hardware().month(1), hardware(gpu="L40S").month(1)
     assert l40s.power_usd == pytest.approx(h100.power_usd / 2)
     low, high = input_range("electricity_usd_kwh")
     ratio = (hardware(electricity_usd_kwh=high.value).month(1).power_usd
              / hardware(electricity_usd_kwh=low.value).month(1).power_usd)
-    assert ratio == pytest.approx(18.64 / 5.75)
+    assert ratio == pytest.approx(21.53 / 5.75)
 
 
 # --- the sourced tables ---------------------------------------------------------------------
@@ -377,8 +377,10 @@ def test_server_power_ratios_are_the_quoted_wattages():
 
 def test_input_ranges():
     low, high = input_range("pue")
-    assert (low.value, high.value) == (1.10, 1.58)
-    assert input_row("electricity_usd_kwh", "US average").value == 0.0806
+    assert (low.value, high.value) == (1.09, 1.54)
+    assert input_row("electricity_usd_kwh", "US average").value == 0.0813
+    low, high = input_range("gpu_power_fraction")  # DGX H100: 6.5 and 8.5 kW of 10.2
+    assert (low.value, high.value) == pytest.approx((6.5 / 10.2, 8.5 / 10.2), abs=1e-4)
     with pytest.raises(ParameterError, match="name"):
         input_range("pue2")
     with pytest.raises(ParameterError, match="containing"):
@@ -433,9 +435,9 @@ def test_tornado_orders_by_effect_and_derives_the_pue_bar():
     bars = tornado(s, swings)
     effects = [b.effect for b in bars]
     assert effects == sorted(effects, reverse=True)
-    # PUE from 1.10 to 1.58: 8.4 kW x 0.48 x 730 h x $0.10 = $294.34 a month.
+    # PUE from 1.09 to 1.54: 8.4 kW x 0.45 x 730 h x $0.10 = $275.94 a month.
     pue = next(b for b in bars if b.swing.path == "hardware.pue")
-    assert pue.effect == pytest.approx(8.4 * 0.48 * 730 * 0.10)
+    assert pue.effect == pytest.approx(8.4 * 0.45 * 730 * 0.10)
     # The largest: a $270,000 server written off over 3 years (7,500 a month) or 6 (3,750):
     # $3,750. Next, its price from $199,000 to $317,000 over 60 months: $1,966.67.
     assert bars[0].swing.path == "hardware.depreciation_years"
@@ -447,17 +449,17 @@ def test_tornado_orders_by_effect_and_derives_the_pue_bar():
 
 def test_tornado_on_the_breakeven_puts_never_first():
     # Near the edge (a server saves $362 a month against the API): the dearest electricity,
-    # the shortest life or the dearest server turn the answer to "never"; those bars come
-    # first, in the order given, then the finite ones by size.
+    # the dearest rent, the shortest life or the dearest server turn the answer to "never";
+    # those bars come first, in the order given, then the finite ones by size.
     s = scenario(api=card(0.042, 0.0042, 0.21), hardware=hardware(
         server_power_ratio=1.8214, colocation_usd_kw_month=170))
     assert s.breakeven().margin_usd_per_server_month == pytest.approx(361.62, abs=0.01)
     bars = tornado(s, sourced_swings(s), metric="breakeven_tokens_month")
     assert [b.swing.path for b in bars] == [
-        "hardware.electricity_usd_kwh", "hardware.depreciation_years",
-        "hardware.capex_per_server_usd", "hardware.server_power_ratio", "hardware.pue",
-        "hardware.colocation_usd_kw_month"]
-    assert math.isinf(bars[0].at_high) and math.isinf(bars[1].at_low)
+        "hardware.electricity_usd_kwh", "hardware.colocation_usd_kw_month",
+        "hardware.depreciation_years", "hardware.capex_per_server_usd",
+        "hardware.server_power_ratio", "hardware.pue", "hardware.gpu_power_fraction"]
+    assert math.isinf(bars[0].at_high) and math.isinf(bars[2].at_low)
     ax = plot_tornado(bars, metric="breakeven_tokens_month")
     assert len(ax.patches) == 2 * len(bars)
     assert [t.get_text() for t in ax.get_yticklabels()][-1] == bars[0].swing.label
@@ -480,8 +482,8 @@ def test_widget_reports_and_reacts_headless():
     box.controls["traffic"].value = s.traffic.total_tokens * 100
     assert box.scenario().traffic.total_tokens == pytest.approx(1.2e11, rel=1e-2)
     assert "519,000" in box.report.value and "8 GPU(s) needed" in box.report.value
-    box.controls["hardware.pue"].value = 1.58
-    assert box.scenario().hardware.pue == pytest.approx(1.58)
+    box.controls["hardware.pue"].value = 1.5
+    assert box.scenario().hardware.pue == pytest.approx(1.5)
 
 
 def test_tornado_swings_whole_price_cards():

@@ -38,40 +38,12 @@ STALE_ROWS = {
         "no newer quotation found",
     ("gpu_prices.csv", "H100 SXM | AWS | capacity_block | 4.916 | 2024-12"):
         "AWS's June 2025 cut covered On-Demand and Savings Plans, not Capacity Blocks",
-    ("gpu_prices.csv", "H200 SXM | AWS | capacity_block | 5.408 | 2024-12"):
-        "raised in January 2026 to $39.80 per p5e.48xlarge hour (press, not AWS's page)",
     ("gpu_prices.csv", "A100 40GB | AWS | capacity_block | 1.844 | 2024-12"): "no newer rate found",
-    **{("tco_inputs.csv", f"electricity_usd_kwh | {price} | USD/kWh | {what} | {as_of}"):
-       "EIA's Electric Power Annual with 2024 data (secrev-map.php) to be read"
-       for price, what, as_of in (
-           ("0.0806", "US average retail price to industrial customers, 2023 (EIA)",
-            "2024-03-18"),
-           ("0.0575", "New Mexico, industrial, average revenue per kWh, 2023", "2024-10-17"),
-           ("0.0660", "Texas, industrial, average revenue per kWh, 2023", "2024-10-17"),
-           ("0.0892", "Virginia, industrial, average revenue per kWh, 2023", "2024-10-17"),
-           ("0.1864", "California, industrial, average revenue per kWh, 2023", "2024-10-17"))},
-    ("tco_inputs.csv", "pue | 1.58 | ratio | industry average power usage effectiveness, "
-                       "Uptime Institute Global Data Center Survey 2023 | 2023-11-23"):
-        "Uptime's 2024 survey: 1.56; its 2025 survey: 'little change' (1.54 reported)",
-    ("tco_inputs.csv",
-     "pue | 1.10 | ratio | Google's fleet PUE, second quarter of 2021 | 2022-04-13"):
-        "Google's environmental reports: 1.09 for 2024 and for 2025",
-    ("tco_inputs.csv", "colocation_usd_kw_month | 163.44 | USD/kW/month | CBRE average "
-                       "monthly asking rate, 250-500 kW, North American primary markets, "
-                       "H2 2023 | 2024-03-29"): "superseded by the table's H2 2024 row ($184.06)",
-    ("tco_inputs.csv", "depreciation_years | 6 | years | Alphabet's and Microsoft's "
-                       "estimated useful life of servers from 2023 | 2023-02"):
-        "still six years in 2025 (secondary sources); Amazon went from 6 to 5 for a subset "
-        "from 2025-01-01 (10-K for 2024)",
-    ("tco_inputs.csv", "depreciation_years | 5 | years | Meta's estimated useful life of "
-                       "servers from 2023 | 2023-02"):
-        "Meta: 5.5 years from 2025-01-01 (10-Q, Q3 2025)",
-    ("tco_inputs.csv", "depreciation_years | 3 | years | the same four companies' server "
-                       "lives in 2020 | 2023-02"):
-        "historical; check the 2020 lives against the source",
-    ("tco_inputs.csv", "staff_usd_year | 90520 | USD/year | median annual wage, network and "
-                       "computer systems administrators, May 2022 (BLS) | 2022-05"):
-        "BLS May 2024: $96,800",
+    **{("tco_inputs.csv", f"electricity_usd_kwh | {price} | USD/kWh | {state}, industrial, "
+                          f"average revenue per kWh, 2023 | 2024-10-17"):
+       "EIA's Electric Power Annual with 2024 data (October 2025): its state table was not found "
+       "in December 2026, only its US and California figures"
+       for price, state in (("0.0575", "New Mexico"), ("0.0660", "Texas"), ("0.0892", "Virginia"))},
 }
 
 

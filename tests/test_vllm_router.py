@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
+from labkit.gateway.config import GatewayConfig
 from labkit.engine.tokenizer import Tokenizer
 from labkit.harness.vllm_router import POLICIES, router_command, start_router
 from labkit.launch import ServeConfig, labkit_command
@@ -40,6 +41,18 @@ def router_parser() -> argparse.ArgumentParser:
 
 
 # -- the command line, against the router's own parser -------------------------------------
+
+def test_the_gateway_defaults_that_follow_vllm_router_are_its_defaults():
+    """labkit.gateway.config and chapter 5 take these from vllm-router: the installed wheel's
+    own record says whether they still hold."""
+    theirs, ours = router_args.RouterArgs(), GatewayConfig()
+    assert ours.probe_timeout_s == theirs.health_check_timeout_secs
+    assert ours.eject_after == theirs.health_failure_threshold
+    assert ours.readmit_after == theirs.health_success_threshold
+    assert ours.worker_startup_timeout_s == theirs.worker_startup_timeout_secs
+    assert ours.read_timeout_s == theirs.request_timeout_secs
+    assert theirs.policy == "cache_aware"  # the default chapter 5's table names
+
 
 def test_router_parses_our_command():
     command = router_command(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "cache_aware",

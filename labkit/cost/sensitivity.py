@@ -95,6 +95,7 @@ _SOURCED = (
     ("hardware.electricity_usd_kwh", "electricity_usd_kwh", "electricity $/kWh"),
     ("hardware.pue", "pue", "PUE"),
     ("hardware.server_power_ratio", "server_power_ratio", "server power / GPU TDP"),
+    ("hardware.gpu_power_fraction", "gpu_power_fraction", "average draw / maximum"),
     ("hardware.colocation_usd_kw_month", "colocation_usd_kw_month", "colocation $/kW-month"),
     ("hardware.depreciation_years", "depreciation_years", "depreciation years"),
 )

@@ -4,7 +4,8 @@ A step of the engine can go no faster than its FLOPs at the GPU's peak tensor th
 faster than its bytes at peak memory bandwidth: ``time >= max(FLOPs / peak, bytes / BW)``.
 Decode reads every weight to produce one token per sequence, so at small batch it is bound by
 bandwidth; prefill multiplies each weight by thousands of tokens and is bound by compute.
-These are lower bounds on time (upper bounds on tokens/s): real engines reach 50-80 % of them.
+These are lower bounds on time (upper bounds on tokens/s); ``benchmarks/gpu_check.py`` measures
+how close a real decode step comes on a GPU.
 Communication between tensor-parallel ranks is left out here; chapter 3 adds it.
 """
 

@@ -9,8 +9,9 @@ allocate (chapter 1's :func:`~labkit.hardware.plan_kv_cache`), its scheduler vLL
 GPU's default batch limits, and its steps are timed by the roofline (chapter 1) plus, with
 tensor parallelism, two ring all-reduces per layer over the GPU's link
 (:ref:`ch03-tensor-parallelism`), not overlapped with compute. The roofline is an upper bound
-on speed: real engines reach 50-80 % of it, and add a fixed overhead per step
-(``step_overhead_s``) that a measurement should supply.
+on speed: how far below it a real engine lands is measured (``benchmarks/gpu_check.py`` prints
+the fraction on a GPU), and the fixed overhead an engine adds per step (``step_overhead_s``)
+should come from a measurement too.
 """
 
 from __future__ import annotations
