@@ -5,7 +5,7 @@ import pytest
 
 from labkit.checks import ParameterError
 from labkit.cost.prices import APIPrice, TokenMix
-from labkit.cost.tco import Scenario, SelfHosted
+from labkit.cost.tco import Cloud, Scenario, SelfHosted
 from labkit.cost.tokens import Throughput
 from labkit.exercises import ch07_tco as ex
 
@@ -93,3 +93,17 @@ def test_payback():
     # With the admin the running costs (8,072.32) exceed the API bill: never.
     assert ex.check_payback("never", scenario())
     assert "no payback" in repr(ex.check_payback(33.4, scenario()))
+
+
+def test_bridge_cost():
+    # 8 GPUs in one 8-GPU instance at $3.99 a GPU-hour for 12 weeks: 8 x 3.99 x 12 x 168 h
+    # = $64,350.72. A four-week month gives 8 x 3.99 x 730 x 3 = $69,904.80.
+    cloud = Cloud(3.99, gpus_per_instance=8)
+    assert ex.check_bridge_cost(64_350.72, cloud, gpus=8, weeks=12)
+    assert "four weeks" in repr(ex.check_bridge_cost(69_904.80, cloud, gpus=8, weeks=12))
+    # 12 GPUs take two instances (16 GPUs): billing only 12 is named.
+    assert ex.check_bridge_cost(2 * 64_350.72, cloud, gpus=12, weeks=12)
+    assert "whole instances" in repr(ex.check_bridge_cost(1.5 * 64_350.72, cloud, gpus=12,
+                                                          weeks=12))
+    with pytest.raises(ParameterError, match="weeks"):
+        ex.check_bridge_cost(1.0, cloud, gpus=8, weeks=0)

@@ -6,7 +6,7 @@ import pytest
 
 from labkit.hardware import get_gpu, gpu_table_markdown, list_gpus
 
-REQUIRED = ["H200 SXM", "H100 SXM", "H100 PCIe", "A100 80GB", "A100 40GB", "L40S", "L4",
+REQUIRED = ["B200", "H200 SXM", "H100 SXM", "H100 PCIe", "A100 80GB", "A100 40GB", "L40S", "L4",
             "A10G", "RTX 4090", "RTX 3090", "MI300X"]
 
 

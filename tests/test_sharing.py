@@ -149,6 +149,13 @@ def test_mig_tables_match_the_user_guide():
     assert slots == {19: (0, 1, 2, 3, 4, 5, 6), 20: (0, 1, 2, 3, 4, 5, 6), 15: (0, 2, 4, 6),
                      14: (0, 2, 4), 9: (0, 4), 5: (0,), 0: (0,)}
     assert [p.name for p in mig_profiles("H200 SXM")][-1] == "7g.141gb"   # Table 8
+    # Table 9 (B200, Blackwell): the same shapes over 180 GB, and nvidia-smi's profile IDs.
+    b200 = {p.name: (p.profile_id, p.compute_slices, p.memory_slices, p.max_instances)
+            for p in mig_profiles("B200")}
+    assert b200 == {"1g.23gb": (19, 1, 1, 7), "1g.23gb+me": (20, 1, 1, 1),
+                    "1g.45gb": (15, 1, 2, 4), "2g.45gb": (14, 2, 2, 3),
+                    "3g.90gb": (9, 3, 4, 2), "4g.90gb": (5, 4, 4, 1), "7g.180gb": (0, 7, 8, 1)}
+    assert mig_profile("B200", "3g.90gb").memory_gib == 90
     assert mig_profile("A100 40GB", "3g.20gb").memory_gib == 20
     assert mig_profile("H200 SXM", "1g.18gb").memory_gib == pytest.approx(141 / 8)
     with pytest.raises(ParameterError, match="no MIG profiles for L4"):

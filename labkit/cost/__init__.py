@@ -2,6 +2,8 @@
 
 - :mod:`~labkit.cost.prices`: sourced, dated $/GPU-hour and API price cards, as parameters
   (:ref:`ch06-token-cost`);
+- :mod:`~labkit.cost.choose`: chapter 1's ways to fit a model, priced, and what each budget
+  picks (the tutorial's decision tree, :ref:`ch01-decision-tree`), imported on its own;
 - :mod:`~labkit.cost.capacity`: the most traffic a deployment serves inside a latency SLO,
   searched with chapter 3's simulator (:ref:`ch06-throughput-slo`);
 - :mod:`~labkit.cost.tokens`: $ per 1M input and output tokens from that throughput
@@ -10,7 +12,9 @@
   autoscaled (chapter 5; :ref:`ch06-month-of-traffic`, :ref:`ch06-comparing`);
 - :mod:`~labkit.cost.tco`: cloud, an API or your own servers, and the guarded breakeven
   (:ref:`ch07-three-ways`);
-  :mod:`~labkit.cost.sensitivity` (plots and a widget) is imported on its own.
+  :mod:`~labkit.cost.sensitivity` (plots and a widget) is imported on its own;
+- :mod:`~labkit.cost.tradeoffs`: what the bill leaves out, one sourced fact per factor and
+  option (:ref:`ch07-beyond-cost`), imported on its own.
 
 The tutorial's own cost code, kept to be judged, is :mod:`labkit.tutorial.ch06_cost` and
 :mod:`labkit.tutorial.ch07_tco`.

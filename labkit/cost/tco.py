@@ -273,6 +273,11 @@ class Cloud:
         """Whole instances that hold ``gpus`` GPUs."""
         return cdiv(positive_int("gpus", gpus, at_least=0), self.gpus_per_instance)
 
+    def usd_for_hours(self, gpus: int, hours: float) -> float:
+        """The bill for ``hours`` hours of instances holding ``gpus`` GPUs: renting while
+        owned servers are on order, for instance (:ref:`ch07-beyond-cost`)."""
+        return self.monthly_usd(gpus) * in_range("hours", hours, 0) / HOURS_PER_MONTH
+
     def monthly_usd(self, gpus: int) -> float:
         """The month's bill for enough instances to hold ``gpus`` GPUs, up
         ``billed_fraction`` of its hours (chapter 6's

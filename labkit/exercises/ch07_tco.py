@@ -17,7 +17,7 @@ import math
 
 from labkit.checks import in_range, positive_int
 from labkit.cost.prices import APIPrice, TokenMix, api_price
-from labkit.cost.tco import Scenario, SelfHosted
+from labkit.cost.tco import Cloud, Scenario, SelfHosted
 from labkit.grading import Feedback, check_number
 
 NEVER = "never"
@@ -155,3 +155,26 @@ def check_payback(answer: object, scenario: Scenario, against: str = "api") -> F
         "left out the running costs (power, colocation, staff)": p.capex_usd / alternative,
     }
     return check_number(answer, p.months, what="payback", unit="months", mistakes=mistakes)
+
+
+def check_bridge_cost(answer: object, cloud: Cloud, gpus: int, weeks: float) -> Feedback:
+    """Lab 07, exercise 7: what renting ``gpus`` GPUs from ``cloud`` costs for the ``weeks``
+    weeks until owned servers arrive (chapter 7's decision table gives the lead time), in
+    dollars: whole instances, every hour, 168 hours a week."""
+    positive_int("gpus", gpus)
+    in_range("weeks", weeks, 0, low_open=True)
+    hours = weeks * 7 * 24
+    expected = cloud.usd_for_hours(gpus, hours)
+    month = cloud.monthly_usd(gpus)
+    mistakes = {
+        "counted a month as four weeks (a month has 730 / 168 = 4.35 weeks)": month * weeks / 4,
+        "billed only the GPUs needed, not whole instances":
+            cloud.usd_gpu_hour * gpus * hours * cloud.billed_fraction,
+        "used a 30-day month (720 h) to turn the monthly bill into hours":
+            month * hours / 720,
+    }
+    # A mistake that gives the right number here (whole instances already) says nothing.
+    mistakes = {why: value for why, value in mistakes.items()
+                if not math.isclose(value, expected, rel_tol=0.005)}
+    return check_number(answer, expected, what="cloud bill until the servers arrive",
+                        unit="USD", rel_tol=0.005, mistakes=mistakes)

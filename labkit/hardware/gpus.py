@@ -55,6 +55,13 @@ class GPU:
         return self.fp8_tflops is not None
 
     @property
+    def consumer(self) -> bool:
+        """A GeForce card (its row's notes say so): built for desktops, joined to others over
+        PCIe (the RTX 3090's bridge aside), and not sold for data centers
+        (:ref:`ch01-decision-tree`)."""
+        return self.notes.startswith("GeForce")
+
+    @property
     def has_nvlink(self) -> bool:
         """True when GPUs talk over a dedicated fabric (NVLink, Infinity Fabric), not PCIe."""
         return not self.interconnect.startswith("PCIe")

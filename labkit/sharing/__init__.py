@@ -18,8 +18,8 @@ from labkit.sharing.instances import (CUDA_CONTEXT_GIB, CUDA_GRAPH_GIB, Fraction
 from labkit.sharing.lora import (LORA_MODULES, VLLM_MAX_LORA_RANKS, lora_adapter_bytes,
                                  lora_gpu_buffer_bytes, lora_module_shapes)
 from labkit.sharing.mig import (MIG_COMPUTE_SLICES, MIG_MEMORY_SLICES, MigFit, MigLayout,
-                                MigProfile, SharingMechanism, mig_profile, mig_profiles, pack_mig,
-                                sharing_mechanisms, smallest_mig_profile)
+                                MigProfile, SharingMechanism, mig_gpus, mig_profile, mig_profiles,
+                                pack_mig, sharing_mechanisms, smallest_mig_profile)
 from labkit.sharing.sleep import HostLink, SwitchCost, host_link, host_links, switch_cost
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "MIG_MEMORY_SLICES", "VLLM_MAX_LORA_RANKS", "FractionCheck", "HostLink", "InstanceMemory",
     "InstancePlan", "MigFit", "MigLayout", "MigProfile", "SharedModel", "SharingMechanism",
     "SharingPlan", "SwitchCost", "check_fractions", "host_link", "host_links", "instance_memory",
-    "lora_adapter_bytes", "lora_gpu_buffer_bytes", "lora_module_shapes", "mig_profile",
-    "mig_profiles", "pack_mig", "plan_sharing", "sharing_mechanisms", "smallest_mig_profile",
-    "switch_cost",
+    "lora_adapter_bytes", "lora_gpu_buffer_bytes", "lora_module_shapes", "mig_gpus",
+    "mig_profile", "mig_profiles", "pack_mig", "plan_sharing", "sharing_mechanisms",
+    "smallest_mig_profile", "switch_cost",
 ]

@@ -1,7 +1,7 @@
 """Partitioning one GPU (:ref:`ch06-sharing-mig`, :ref:`ch06-sharing-timeslicing-mps`): MIG
 profiles and their placement rules, and how MIG compares with time-slicing and MPS.
 
-MIG cuts an A100, H100 or H200 into isolated instances: :func:`pack_mig` says whether a set of
+MIG cuts an A100, H100, H200 or B200 into isolated instances: :func:`pack_mig` says whether a set of
 profiles fits one GPU, with the placement rules of NVIDIA's MIG user guide, and
 :func:`smallest_mig_profile` which profile an instance needs. :func:`sharing_mechanisms` sets the
 three mechanisms side by side, each row with its source.
@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from labkit.checks import ParameterError, in_range
 from labkit.data import read_csv
-from labkit.hardware import GPU, get_gpu
+from labkit.hardware import GPU, get_gpu, list_gpus
 
 #: Memory slices of every MIG-capable GPU here ("roughly one eighth of the total GPU memory",
 #: MIG user guide, Concepts), and the compute (SM) slices ("one seventh").
@@ -56,13 +56,19 @@ def _mig_table() -> tuple[MigProfile, ...]:
         as_of=r["as_of"]) for r in read_csv("mig_profiles.csv"))
 
 
+def mig_gpus() -> list[str]:
+    """The GPUs of chapter 1's table that ``mig_profiles.csv`` can cut, in table order."""
+    have = {p.gpu for p in _mig_table()}
+    return [g.name for g in list_gpus() if g.name in have]
+
+
 def mig_profiles(gpu: GPU | str) -> list[MigProfile]:
     """The MIG profiles of ``gpu``, smallest first; an error for a GPU without MIG here."""
     name = get_gpu(gpu).name
     profiles = [p for p in _mig_table() if p.gpu == name]
     if not profiles:
-        have = sorted({p.gpu for p in _mig_table()})
-        raise ParameterError("gpu", f"gpu: no MIG profiles for {name}; known: {', '.join(have)}")
+        raise ParameterError("gpu", f"gpu: no MIG profiles for {name}; known: "
+                                    f"{', '.join(mig_gpus())}")
     return profiles
 
 
