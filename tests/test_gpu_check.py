@@ -56,14 +56,14 @@ def test_mixture_of_experts_is_refused():
     ("NVIDIA H200", "H200 SXM"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
     ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
     ("NVIDIA A100-PCIE-40GB", "A100 40GB"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),
-    ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA A10G", "A10G")])
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA A10G", "A10G"), ("NVIDIA B200", "B200")])
 def test_device_names_find_their_datasheet_row(name, row):
     assert gpu_check.gpu_row(name) == row
 
 
 def test_an_unknown_device_asks_for_its_row():
     with pytest.raises(ValueError, match="pass --gpu"):
-        gpu_check.gpu_row("NVIDIA B200")
+        gpu_check.gpu_row("NVIDIA B300 SXM6 AC")
 
 
 def test_the_step_is_a_llama_decode_step():
