@@ -97,8 +97,8 @@ async def benchmark_async(base_url: str, model: str, workload: Workload,
                           max_concurrency: int | None = None,
                           slos_ms: Mapping[str, float] | None = None,
                           progress: bool = False,
-                          tokenizer: TokenizerLike | str | os.PathLike | None = None
-                          ) -> BenchmarkResult:
+                          tokenizer: TokenizerLike | str | os.PathLike | None = None,
+                          api_key: str | None = None) -> BenchmarkResult:
     """Send ``workload`` to ``base_url`` and summarize what was measured.
 
     Each request leaves at its arrival time, or, given ``request_rate`` (and
@@ -107,7 +107,8 @@ async def benchmark_async(base_url: str, model: str, workload: Workload,
     open at once. Prompts are the workload's text view
     (:meth:`~labkit.simulate.Workload.bench_requests`): give the server's ``tokenizer`` (its
     model directory, as ``vllm bench serve --tokenizer``) and each prompt is as many tokens
-    as the workload says, by the server's count; without it, one word per token.
+    as the workload says, by the server's count; without it, one word per token. A server
+    started with an API key (``VLLM_API_KEY``) is sent ``api_key``.
     """
     if max_concurrency is not None:
         positive_int("max_concurrency", max_concurrency)
@@ -118,7 +119,8 @@ async def benchmark_async(base_url: str, model: str, workload: Workload,
     requests = workload.bench_requests(server_tokenizer(tokenizer))
     send_at = workload.arrival_s
     bar = tqdm(total=len(requests), disable=not progress, desc="requests")
-    async with client_pool(base_url, max_concurrency or len(requests) or 1) as (http, gate):
+    async with client_pool(base_url, max_concurrency or len(requests) or 1,
+                           api_key=api_key) as (http, gate):
         start = time.perf_counter()
 
         async def send(i: int, request: BenchRequest):

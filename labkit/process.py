@@ -163,6 +163,9 @@ class ServerProcess:
         # (log_lines() still answers) and removes the file, so a run of servers leaves none.
         self.log_path: str | None = None
         self._final_log: list[str] | None = None
+        #: Seconds from the start of the process to its first ready answer (None until then,
+        #: and for an attached server): the load time a startup probe is sized from.
+        self.ready_after_s: float | None = None
 
     @classmethod
     def attach(cls, base_url: str, log_path: str | None = None,
@@ -195,6 +198,7 @@ class ServerProcess:
                                              delete=False) as log:
                 self.log_path = log.name
         self._final_log = None
+        started = time.monotonic()
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True,
@@ -217,6 +221,7 @@ class ServerProcess:
             self.stop()
             raise TimeoutError(f"server not ready after {self.startup_timeout_s} s:\n"
                                f"{self.log_tail()}") from None
+        self.ready_after_s = time.monotonic() - started
         return self
 
     def stop(self, grace_s: float = 15) -> None:

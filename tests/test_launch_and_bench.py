@@ -180,6 +180,25 @@ def test_labkit_serve_subprocess_and_benchmark(tmp_path):
     assert server.log_lines()[:len(logged)] == logged
 
 
+def test_a_server_with_a_key_is_benchmarked_with_it_and_its_start_is_timed(tmp_path):
+    """The capstone lab's server: the key travels in VLLM_API_KEY, as in chapter 8; the
+    benchmark sends it; a request without it is refused; the start is measured."""
+    model = write_tiny_model(tmp_path / "tiny")
+    cfg = ServeConfig(model=str(model), served_model_name="tiny", port=free_port(),
+                      max_model_len=256)
+    key = "a-key-for-the-test"
+    with ServerProcess(command_for("labkit", cfg), cfg.base_url, startup_timeout_s=120,
+                       env={"VLLM_API_KEY": key}) as server:
+        assert 0 < server.ready_after_s < 120
+        assert key not in " ".join(server.command)  # not in ps
+        data = random_dataset(4, 8, 4)
+        with pytest.raises(ParameterError, match="no request finished"):
+            benchmark(server.base_url, "tiny", data, max_concurrency=2)  # 401, every one
+        served = benchmark(server.base_url, "tiny", data, max_concurrency=2, api_key=key)
+        assert served.completed == 4 and served.total_output_tokens == 4 * 4
+    assert ServerProcess([], "http://127.0.0.1:1").ready_after_s is None  # not started
+
+
 def test_server_that_fails_to_start_reports_its_log(tmp_path):
     cfg = ServeConfig(model=str(tmp_path / "missing"), port=18632)
     server = ServerProcess(command_for("labkit", cfg), cfg.base_url, startup_timeout_s=60)

@@ -32,6 +32,7 @@ from labkit import vllm_cpu
 from labkit.bench import benchmark_async
 from labkit.checks import ParameterError, positive_int
 from labkit.data import read_csv
+from labkit.deploy.spec import API_KEY_ENV
 from labkit.engine import LLM, EngineArgs, LLMEngine, SamplingParams, write_tiny_model
 from labkit.engine.args import parse_engine_args
 from labkit.hardware import (ModelSpec, activation_bytes, kv_cache_bytes_per_token,
@@ -112,7 +113,7 @@ SHARED_VLLM_URL, SHARED_VLLM_LOG = "LABKIT_VLLM_URL", "LABKIT_VLLM_LOG"
 LAB_SERVER_DEFAULTS = {"served_model_name": "course-model", "max_model_len": 1024}
 
 
-def start_lab_server(wanted: str, path: LabPath | None = None,
+def start_lab_server(wanted: str, path: LabPath | None = None, *, api_key: str | None = None,
                      **options) -> tuple[str, ServeConfig, ServerProcess]:
     """Start the server a lab is about (chapter 2): ``wanted`` on its GPU path, real vLLM on
     CPU when that is installed, the teaching engine (``labkit``) otherwise.
@@ -120,8 +121,10 @@ def start_lab_server(wanted: str, path: LabPath | None = None,
     ``options`` are :class:`~labkit.launch.ServeConfig` fields (vLLM's names:
     ``max_num_seqs``, ``tensor_parallel_size``, ``extra_args=["--no-enable-prefix-caching"]``,
     ...) on top of :data:`LAB_SERVER_DEFAULTS`. Returns the engine that runs, its config and
-    the started :class:`~labkit.process.ServerProcess`, which the lab stops when done. With no
-    options, vLLM on CPU is the test run's shared server when there is one
+    the started :class:`~labkit.process.ServerProcess`, which the lab stops when done.
+    ``api_key`` protects its ``/v1`` routes, handed over as ``VLLM_API_KEY`` (chapter 8): vLLM
+    and ``labkit serve`` both read it there, and it never shows in ``ps``. With no options
+    and no key, vLLM on CPU is the test run's shared server when there is one
     (``LABKIT_VLLM_URL``).
     """
     path = path or detect()
@@ -129,10 +132,12 @@ def start_lab_server(wanted: str, path: LabPath | None = None,
     cfg = ServeConfig(model=lab_model(engine, path), port=free_port(),
                       **{**LAB_SERVER_DEFAULTS, **options})
     shared = os.environ.get(SHARED_VLLM_URL)
-    if engine == "vllm" and path.runs("vllm") == "cpu" and shared and not options:
+    if (engine == "vllm" and path.runs("vllm") == "cpu" and shared and not options
+            and not api_key):
         cfg = replace(cfg, port=int(shared.rsplit(":", 1)[1]))
         return engine, cfg, ServerProcess.attach(shared, os.environ.get(SHARED_VLLM_LOG))
-    return engine, cfg, start_server(engine, cfg, path)
+    return engine, cfg, start_server(engine, cfg, path,
+                                     env={API_KEY_ENV: api_key} if api_key else None)
 
 
 def engine_table_markdown(columns: Sequence[str] = ("kv_cache", "prefix_cache", "batching",
@@ -209,12 +214,13 @@ def lab_server_env(engine: str, cfg: ServeConfig, path: LabPath | None = None) -
 
 
 def start_server(engine: str, cfg: ServeConfig, path: LabPath | None = None,
-                 startup_timeout_s: float = 600) -> ServerProcess:
+                 startup_timeout_s: float = 600,
+                 env: Mapping[str, str] | None = None) -> ServerProcess:
     """Start ``cfg`` (any model, any options) on ``engine`` as this machine runs it and wait
     until it is healthy (:ref:`ch02-streaming`): :func:`lab_server_command` with
-    :func:`lab_server_env`."""
+    :func:`lab_server_env`, and ``env`` on top."""
     return ServerProcess(lab_server_command(engine, cfg, path), cfg.base_url, startup_timeout_s,
-                         env=lab_server_env(engine, cfg, path)).start()
+                         env={**lab_server_env(engine, cfg, path), **(env or {})}).start()
 
 
 def served_model_spec(cfg: ServeConfig) -> ModelSpec:

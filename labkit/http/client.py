@@ -39,13 +39,15 @@ OUTCOMES = ("complete", "cut", "broken", "lost", "shed", "hung")
 
 
 @contextlib.asynccontextmanager
-async def client_pool(base_url: str, concurrency: int, timeout_s: float | None = None
+async def client_pool(base_url: str, concurrency: int, timeout_s: float | None = None,
+                      api_key: str | None = None
                       ) -> AsyncIterator[tuple[httpx.AsyncClient, asyncio.Semaphore]]:
     """``(client, gate)``: an ``httpx.AsyncClient`` for ``base_url`` with connections for
     ``concurrency`` streams (plus :data:`SPARE_CONNECTIONS`), and the semaphore a sender holds
     while its request is open, so at most ``concurrency`` are. ``timeout_s`` bounds each
     connect and read (``None``: no bound). The environment's proxy settings are ignored: an
-    ``HTTP_PROXY`` must not capture loopback traffic.
+    ``HTTP_PROXY`` must not capture loopback traffic. ``api_key`` goes with every request as
+    a bearer token, as the OpenAI client sends it to a server started with one.
 
         async with client_pool(url, 8, timeout_s=120) as (client, gate):
             async with gate:
@@ -54,8 +56,9 @@ async def client_pool(base_url: str, concurrency: int, timeout_s: float | None =
     positive_int("concurrency", concurrency)
     limits = httpx.Limits(max_connections=concurrency + SPARE_CONNECTIONS,
                           keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits,
-                                 trust_env=False) as client:
+                                 trust_env=False, headers=headers) as client:
         yield client, asyncio.Semaphore(concurrency)
 
 
