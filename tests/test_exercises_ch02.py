@@ -73,3 +73,21 @@ def test_speedup_from_two_benchmark_results():
     assert ex.check_speedup(3.0, fast, slow)
     assert "other way round" in repr(ex.check_speedup(1 / 3, fast, slow))
     assert "percent" in repr(ex.check_speedup(200, fast, slow))
+
+
+def test_time_regex():
+    assert ex.check_time_regex(r"([01][0-9]|2[0-3]):[0-5][0-9]")
+    loose = repr(ex.check_time_regex(r"[0-9]{2}:[0-9]{2}"))
+    assert "accepts '24:00'" in loose and "'12:60'" in loose
+    assert "refuses '00:00'" in repr(ex.check_time_regex(r"(1[0-9]|2[0-3]):[0-5][0-9]"))
+    assert "does not compile" in repr(ex.check_time_regex("(["))
+    assert "Not answered" in repr(ex.check_time_regex(None))
+    assert "must be a string" in repr(ex.check_time_regex(12))
+
+
+def test_trtllm_kv_fraction():
+    # vLLM's 0.9 of 80 GiB with 15 GiB of weights leaves 72 - 15 = 57 GiB for the cache;
+    # TensorRT-LLM sees 80 - 15 = 65 GiB free: 57 / 65 = 0.8769.
+    assert ex.check_trtllm_kv_fraction(57 / 65)
+    assert "copied vLLM's fraction" in repr(ex.check_trtllm_kv_fraction(0.9))
+    assert "whole GPU" in repr(ex.check_trtllm_kv_fraction(57 / 80))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
+from labkit.checks import in_range
 from labkit.grading import Feedback, check_number
 from labkit.hardware import get_model, kv_cache_bytes_per_token, kv_dtype_bytes
 from labkit.http.metrics import sample_totals
+from labkit.launch import trtllm_kv_fraction
 from labkit.simulate.metrics import BenchmarkResult, RequestLatencies
+from labkit.units import GiB
 
 
 def check_stop_params(params) -> Feedback:
@@ -111,3 +115,48 @@ def check_speedup(answer: object, fast: BenchmarkResult, slow: BenchmarkResult,
     return check_number(answer, expected, what=what, unit="x", rel_tol=0.01,
                         mistakes={"divided the other way round": 1 / expected,
                                   "gave the gain in percent": 100 * (expected - 1)})
+
+
+#: Exercise 1 of lab ``gpu/sglang``: 24-hour times a pattern must accept, and strings it must
+#: refuse (an hour past 23, a minute past 59, one digit where two belong, anything around it).
+TIMES_VALID = ("00:00", "09:30", "12:05", "19:45", "23:59")
+TIMES_INVALID = ("24:00", "9:30", "12:60", "23:5", "12:30pm", " 12:30", "1230", "29:00")
+
+
+def check_time_regex(pattern: object) -> Feedback:
+    """Lab ``gpu/sglang``, exercise 1: a regular expression matching exactly a 24-hour time
+    ``HH:MM``, as SGLang's ``regex`` sampling parameter takes one (the whole output must match
+    it, so it is tested with ``fullmatch``)."""
+    if pattern is None:
+        return Feedback(False, "Not answered yet: write the pattern as a string.")
+    if not isinstance(pattern, str):
+        return Feedback(False, f"the pattern must be a string, got {type(pattern).__name__}.")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as err:
+        return Feedback(False, f"the pattern does not compile: {err}.")
+    refused = [t for t in TIMES_VALID if not compiled.fullmatch(t)]
+    accepted = [t for t in TIMES_INVALID if compiled.fullmatch(t)]
+    if refused or accepted:
+        problems = ([f"refuses {', '.join(map(repr, refused))}"] if refused else []) + (
+            [f"accepts {', '.join(map(repr, accepted))}"] if accepted else [])
+        return Feedback(False, f"Not quite: the pattern {' and '.join(problems)}.")
+    return Feedback(True, f"Correct: {pattern!r} matches every 24-hour time and nothing else "
+                          f"tested.")
+
+
+def check_trtllm_kv_fraction(answer: object, gpu_memory_utilization: float = 0.9,
+                             gpu_gib: float = 80.0, weights_gib: float = 15.0) -> Feedback:
+    """Lab ``gpu/tensorrt_llm``, exercise 1: TensorRT-LLM's
+    ``--kv_cache_free_gpu_memory_fraction`` that gives the KV cache what vLLM's
+    ``--gpu-memory-utilization`` gives it on a GPU of ``gpu_gib`` GiB with ``weights_gib`` GiB
+    of weights, activations left out (:func:`labkit.launch.trtllm_kv_fraction`)."""
+    in_range("gpu_gib", gpu_gib, 0, low_open=True)
+    u, total, weights = gpu_memory_utilization, gpu_gib * GiB, weights_gib * GiB
+    expected = trtllm_kv_fraction(u, total, weights)
+    mistakes = {"copied vLLM's fraction: TensorRT-LLM's is a fraction of the memory the weights "
+                "leave, not of the whole GPU": u,
+                "divided by the whole GPU instead of what the weights leave":
+                    (u * total - weights) / total}
+    return check_number(answer, expected, what="kv_cache_free_gpu_memory_fraction",
+                        rel_tol=0.005, mistakes=mistakes)
