@@ -243,11 +243,13 @@ def served_model_spec(cfg: ServeConfig) -> ModelSpec:
 @dataclass(frozen=True)
 class KVCacheReport:
     """A KV-cache size in vLLM's terms, as an engine reported it or as chapter 1's rule
-    predicts it (:ref:`ch02-vllm`): tokens, and how many ``max_model_len`` requests fit."""
+    predicts it (:ref:`ch02-vllm`): tokens, how many ``max_model_len`` requests fit, and
+    the block size in tokens where the source knows it (vLLM's log line does not print it)."""
 
     tokens: int
     max_concurrency: float
     source: str
+    block_size: int | None = None
 
     def __str__(self) -> str:
         return (f"{self.tokens:,} tokens, maximum concurrency {self.max_concurrency:,.2f}x "
@@ -288,7 +290,8 @@ def kv_cache_reported(engine: str, cfg: ServeConfig, server: ServerProcess) -> K
         max_model_len = cfg.max_model_len or served_model_spec(cfg).max_position_embeddings
         return KVCacheReport(blocks * args.block_size,
                              max_concurrency(blocks, args.block_size, max_model_len),
-                             f"labkit's engine: {blocks:,} blocks of {args.block_size} tokens")
+                             f"labkit's engine: {blocks:,} blocks of {args.block_size} tokens",
+                             args.block_size)
     report = read_kv_cache_line(server.log_lines())
     if report is None:
         raise RuntimeError(f"no KV cache size line in the server's log ({server.log_path})")
@@ -311,13 +314,13 @@ def kv_cache_predicted(engine: str, cfg: ServeConfig,
                                           cfg.tensor_parallel_size)
         return KVCacheReport(plan.tokens, plan.max_concurrency,
                              f"{plan.kv_cache_space_gib:g} GiB / {plan.bytes_per_token} bytes "
-                             f"per token, in blocks of {plan.block_size}")
+                             f"per token, in blocks of {plan.block_size}", plan.block_size)
     if engine == "vllm":
         plan = plan_kv_cache(spec, path.gpus[0], cfg.tensor_parallel_size,
                              cfg.gpu_memory_utilization, max_model_len=max_model_len)
         return KVCacheReport(plan.kv_cache_tokens, plan.max_concurrency,
                              f"plan_kv_cache on {plan.gpu}: {plan.kv_cache_gib:.2f} GiB left "
-                             f"after weights and activations")
+                             f"after weights and activations", plan.block_size)
     args = _teaching_engine_args(cfg)
     budget = args.device_memory_gib * 2**30 * args.gpu_memory_utilization
     blocks = num_kv_blocks(
@@ -328,7 +331,8 @@ def kv_cache_predicted(engine: str, cfg: ServeConfig,
     return KVCacheReport(blocks * args.block_size,
                          max_concurrency(blocks, args.block_size, max_model_len),
                          f"{args.device_memory_gib:g} GiB x {args.gpu_memory_utilization} less "
-                         f"weights and activations, fp32 blocks of {args.block_size}")
+                         f"weights and activations, fp32 blocks of {args.block_size}",
+                         args.block_size)
 
 
 # -- experiments: one server per setting, decode steps, tensor parallelism -------------------
