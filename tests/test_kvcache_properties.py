@@ -56,6 +56,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.record_contents(rid)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), token=st.integers(0, VOCAB - 1),
+          drafts=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          num_accepted=st.integers(0, 9))
+    def speculate(self, data, token, drafts, num_accepted):
+        """A decode step that verifies drafts: a slot for the new token and lookahead slots
+        for the drafts, then the slots of the rejected ones handed back (trim_slots)."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq = self.tokens[rid]
+        seq.append(token)
+        if self.kv.allocate_slots(rid, seq, 1, num_lookahead_tokens=len(drafts)) is None:
+            seq.pop()
+            return
+        assert self.kv.req_num_slots[rid] == len(seq) + len(drafts)
+        seq.extend(drafts[:min(num_accepted, len(drafts))])
+        self.kv.trim_slots(rid, seq, len(seq))
+        self.record_contents(rid)
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))

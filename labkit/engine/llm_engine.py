@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +45,10 @@ from labkit.engine.inputs import (check_token_ids, encode_prompt, max_tokens_for
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
+from labkit.engine.speculative import (NgramProposer, SpeculativeConfig, propose_drafts,
+                                      verify_greedy)
 from labkit.engine.stats import (NO_LOOKUPS, EngineStats, IterationStats, PrefixCacheStats,
-                                 SchedulerStats)
+                                 SchedulerStats, SpecDecodingStats)
 from labkit.engine.sampling import (
     RequestOutputKind,
     SamplingParams,
@@ -86,8 +88,14 @@ class EngineArgs:
     seed: int = 0
     device_id: str | None = None  # a device shared with other processes (chapter 6.2)
     enable_sleep_mode: bool = False
+    # vLLM's --speculative-config: a SpeculativeConfig, or its JSON object or text
+    speculative_config: SpeculativeConfig | Mapping[str, object] | str | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                  SpeculativeConfig):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         in_range("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
         in_range("device_memory_gib", self.device_memory_gib, 0, low_open=True)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -156,6 +164,8 @@ class LLMEngine:
         # transformers'); normally only the positions sampled from are computed, as in vLLM.
         self.keep_all_logits = False
         self.last_step_logits: dict[str, np.ndarray] = {}
+        spec = args.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         # The records of the latest step, for the metrics (vLLM's SchedulerStats and
         # IterationStats).
         self.last_stats = EngineStats(self.scheduler_stats())
@@ -400,15 +410,19 @@ class LLMEngine:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = request.num_computed_tokens
             start = request.num_computed_tokens
-            new = request.token_ids[start:start + out.num_scheduled_tokens[request.request_id]]
+            drafts = out.spec_token_ids.get(request.request_id, [])
+            num_known = out.num_scheduled_tokens[request.request_id] - len(drafts)
+            new = request.token_ids[start:start + num_known] + drafts
             batch.append(SequenceBatch(new, start, out.block_ids[request.request_id],
-                                       all_logits=self.keep_all_logits
+                                       all_logits=self.keep_all_logits or bool(drafts)
                                        or request.params.prompt_logprobs is not None))
         logits = self.model.forward(batch)
         if self.keep_all_logits:
             self.last_step_logits = {r.request_id: rows for r, rows
                                      in zip(out.requests, logits, strict=True)}
-        sampled: dict[str, int] = {}
+        sampled: dict[str, int | list[int]] = {}
+        spec_stats = (SpecDecodingStats(self.proposer.config.num_speculative_tokens)
+                      if self.proposer is not None else None)
         forks: list[tuple[EngineRequest, EngineRequest, int]] = []
         for request, rows, seq in zip(out.requests, logits, batch, strict=True):
             start = request.num_computed_tokens
@@ -418,21 +432,33 @@ class LLMEngine:
                 continue  # a prefill chunk: nothing to sample yet
             if request.num_output_tokens == 0 and request.num_preemptions == 0:
                 stats.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
+            drafts = out.spec_token_ids.get(request.request_id)
+            if drafts:
+                emitted = verify_greedy(drafts, rows[-len(drafts) - 1:],
+                                        lambda row, r=request: self._sample(r, row))
+                spec_stats.observe_draft(len(drafts), len(emitted) - 1)
+                sampled[request.request_id] = emitted
+                continue
             sampled[request.request_id] = self._sample(request, rows[-1])
             # The other choices sample their first token from the same logits.
             forks += [(request, child, self._sample(child, rows[-1]))
                       for child in self._pending_forks.pop(request.request_id, [])]
         now = time.monotonic()
+        emitted_before = {r.request_id: r.num_output_tokens for r in out.requests}
         self.scheduler.update(out, now, sampled)
         for parent, child, token in forks:
             child.first_scheduled_time = parent.first_scheduled_time
             child.num_cached_tokens = parent.num_cached_tokens
             if not child.append_output_token(token, now):
                 self.model.copy_blocks(self.scheduler.fork_request(parent, child))
-        for request in [*(r for r in out.requests if r.request_id in sampled),
-                        *(child for _, child, _ in forks)]:
-            stats.record_token(request)
-        self.last_stats = EngineStats(self.scheduler_stats(lookups), stats)
+        for request in (r for r in out.requests if r.request_id in sampled):
+            stats.record_token(request,
+                               request.num_output_tokens - emitted_before[request.request_id])
+        for _, child, _ in forks:
+            stats.record_token(child)
+        if self.proposer is not None:  # drafts for the next step to verify
+            propose_drafts(self.proposer, self.scheduler.running)
+        self.last_stats = EngineStats(self.scheduler_stats(lookups), stats, spec_stats)
         return [self._output(parent) for parent in dict.fromkeys(
             r.parent_id for r in out.requests if r.request_id in sampled
             and (r.params.output_kind is RequestOutputKind.CUMULATIVE

@@ -65,21 +65,55 @@ class IterationStats:
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     e2e_latencies_iter: list[float] = field(default_factory=list)  # vLLM: finished_requests
 
-    def record_token(self, request: Request) -> None:
-        """Account for the token ``request`` has just emitted (its last in ``token_times``)."""
+    def record_token(self, request: Request, num_tokens: int = 1) -> None:
+        """Account for the ``num_tokens`` tokens ``request`` has just emitted (its last in
+        ``token_times``; several when a step verified drafts). As in vLLM, one step gives
+        a request one latency, however many tokens it emitted."""
         times = request.token_times
-        self.num_generation_tokens += 1
-        if len(times) == 1:
+        self.num_generation_tokens += num_tokens
+        if len(times) == num_tokens:
             self.time_to_first_tokens_iter.append(times[0] - request.arrival_time)
         else:
-            self.inter_token_latencies_iter.append(times[-1] - times[-2])
+            self.inter_token_latencies_iter.append(times[-1] - times[-1 - num_tokens])
         if request.is_finished:
             self.e2e_latencies_iter.append(request.finish_time - request.arrival_time)
 
 
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding in one step (vLLM's ``SpecDecodingStats``, its field names):
+    requests that verified drafts, the drafts, the accepted ones, and both by position
+    (position ``i`` is the ``i``-th draft of a request; a draft is only accepted if every
+    draft before it was)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+        self.num_draft_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request verified ``num_draft_tokens`` drafts and kept the first
+        ``num_accepted_tokens``."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+        for i in range(num_draft_tokens):
+            self.num_draft_tokens_per_pos[i] += 1
+
+
 @dataclass(frozen=True)
 class EngineStats:
-    """The two records of one step, as the engine hands them to its metrics."""
+    """The records of one step, as the engine hands them to its metrics (``spec_decoding``
+    only from an engine that speculates)."""
 
     scheduler: SchedulerStats
     iteration: IterationStats = field(default_factory=IterationStats)
+    spec_decoding: SpecDecodingStats | None = None

@@ -81,7 +81,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        computed_blocks: Sequence[KVCacheBlock] = (),
-                       block_hashes: list[BlockHash] | None = None) -> list[KVCacheBlock] | None:
+                       block_hashes: list[BlockHash] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request_id``.
 
         ``token_ids`` are all the request's tokens known so far; ``computed_blocks`` (first
@@ -89,6 +90,10 @@ class KVCacheManager:
         block hashes when it keeps one (``Request.block_hashes``); the manager holds on to it
         from the first call and caches full blocks under those hashes. Without it the manager
         keeps a list for the request itself. Either way each block is hashed once.
+
+        ``num_lookahead_tokens`` more slots follow, for speculative decoding's draft tokens
+        (vLLM's name): they are not among ``token_ids``, and their blocks are never offered
+        to the prefix cache; :meth:`trim_slots` hands back those of rejected drafts.
 
         Returns the newly taken blocks, or ``None`` with nothing changed when too few blocks
         are free: the scheduler then preempts or waits. Full blocks are registered in the
@@ -102,11 +107,13 @@ class KVCacheManager:
                                                     f"are only taken on its first allocation")
         blocks = self.req_to_blocks.get(request_id, [])
         slots = self.req_num_slots[request_id] if known else len(computed_blocks) * self.block_size
-        total = slots + num_new_tokens
-        if total > len(token_ids):
+        positive_int("num_lookahead_tokens", num_lookahead_tokens, at_least=0)
+        known_slots = slots + num_new_tokens
+        if known_slots > len(token_ids):
             raise ParameterError("num_new_tokens", f"num_new_tokens: request {request_id!r}: "
-                                                   f"{total} slots asked for but only "
+                                                   f"{known_slots} slots asked for but only "
                                                    f"{len(token_ids)} tokens are known")
+        total = known_slots + num_lookahead_tokens
         blocks_needed = cdiv(total, self.block_size)
         if blocks_needed > self.num_blocks:
             raise ParameterError("num_new_tokens", f"num_new_tokens: request {request_id!r} "
@@ -129,8 +136,33 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         self.req_block_ids[request_id].extend(map(_block_id, new_blocks))
         self.req_num_slots[request_id] = total
-        self._cache_full_blocks(request_id, token_ids, total)
+        self._cache_full_blocks(request_id, token_ids, known_slots)
         return new_blocks
+
+    def trim_slots(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+        """Keep slots for the first ``num_tokens`` tokens of ``request_id`` only, and hand
+        the blocks past them back to the pool; returns how many went back.
+
+        After speculative decoding verifies a step's drafts, ``num_tokens`` is the request's
+        computed tokens, accepted drafts included: the slots of rejected drafts are freed at
+        once rather than held until the request ends. ``token_ids`` are the request's tokens
+        now; blocks the accepted drafts filled are offered to the prefix cache. A slot that
+        holds a cached block is never given up.
+        """
+        slots = _of_request(self.req_num_slots, request_id)
+        kept_blocks = self.req_num_cached_blocks[request_id] * self.block_size
+        if not kept_blocks <= num_tokens <= min(slots, len(token_ids)):
+            raise ParameterError("num_tokens", f"num_tokens: request {request_id!r} can keep "
+                                               f"{kept_blocks} to {min(slots, len(token_ids))} "
+                                               f"slots, got {num_tokens}")
+        blocks = self.req_to_blocks[request_id]
+        keep = cdiv(num_tokens, self.block_size)
+        released = blocks[keep:]
+        del blocks[keep:], self.req_block_ids[request_id][keep:]
+        self.block_pool.free_blocks(reversed(released))
+        self.req_num_slots[request_id] = num_tokens
+        self._cache_full_blocks(request_id, token_ids, num_tokens)
+        return len(released)
 
     def fork(self, parent_id: str, child_id: str,
              block_hashes: list[BlockHash] | None = None) -> list[tuple[int, int]] | None:

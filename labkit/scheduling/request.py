@@ -27,6 +27,10 @@ class Request:
     samples each token and passes ``max_tokens`` instead. ``num_computed_tokens`` counts tokens
     whose K and V are in the cache; preemption by recompute sets it back to zero.
 
+    ``spec_token_ids`` are draft tokens a speculative proposer guessed to follow
+    ``token_ids``, for the next step to verify (vLLM's name); they are not the request's
+    tokens until the model accepts them.
+
     ``block_hashes`` names the request's full blocks for prefix caching, like vLLM's
     ``request.block_hashes``. ``block_hasher`` (the KV cache's; the scheduler sets it) hashes
     each block once: the prompt's when the hasher is set, every later one when a token fills
@@ -47,6 +51,7 @@ class Request:
     finish_time: float | None = None
     block_hasher: BlockHasher | None = field(default=None, repr=False)
     block_hashes: list[BlockHash] = field(init=False, repr=False)
+    spec_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
     finish_reason: str | None = field(default=None, init=False)  # "length", "stop", "abort"
     stop_reason: int | str | None = field(default=None, init=False)  # the stop token or string
 
@@ -105,12 +110,16 @@ class Request:
         self.block_hasher, self.block_hashes = block_hasher, []
         self._hash_new_blocks()
 
-    def record_step(self, num_new_tokens: int, now: float, token_id: int | None = None) -> bool:
+    def record_step(self, num_new_tokens: int, now: float,
+                    token_id: int | Sequence[int] | None = None) -> bool:
         """Account for ``num_new_tokens`` computed in a step ending at ``now``.
 
         Once every known token is computed the model emits the next one: ``token_id`` when an
-        engine sampled it, else the next planned token. Returns True when
-        :meth:`check_stop` says that token ends the request, which is then finished.
+        engine sampled it, else the next planned token. A step that verified draft tokens
+        emits several: ``token_id`` is then the list of them (the accepted drafts, whose
+        slots ``num_new_tokens`` counts, and the token after them), appended in order until
+        one ends the request. Returns True when :meth:`check_stop` says a token ends the
+        request, which is then finished.
         """
         self.num_computed_tokens += num_new_tokens
         if self.num_computed_tokens < self.num_tokens:
@@ -120,7 +129,12 @@ class Request:
                 raise ParameterError("token_id", f"token_id: request {self.request_id!r} has no "
                                                  f"planned output: pass the sampled token_id")
             token_id = self.output_plan[self.num_output_tokens]
-        return self.append_output_token(token_id, now)
+        if isinstance(token_id, int):
+            return self.append_output_token(token_id, now)
+        for token in token_id:
+            if self.append_output_token(token, now):
+                return True  # the tokens after it are dropped, as vLLM drops them
+        return False
 
     def append_output_token(self, token_id: int, now: float) -> bool:
         """Add one produced token at time ``now``; returns True if it ends the request.

@@ -13,6 +13,11 @@ later), so a scheduler can never run what would not fit.
 Each step's output carries every scheduled request's block table, so the engine never asks
 the KV cache manager itself. A request's ``check_stop`` decides when it is done; the scheduler
 then frees its blocks.
+
+Speculative decoding (:mod:`labkit.engine.speculative`): a decoding request that carries draft
+tokens (``spec_token_ids``) is scheduled with them, in lookahead slots, when the budget and the
+free blocks allow; otherwise it decodes one token as usual (speculation never preempts
+anyone). After the step, the slots of rejected drafts go back to the pool.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class SchedulerOutput:
     ``num_scheduled_tokens`` maps request ids to their new tokens this step, ``block_ids`` to
     their block tables (physical block ids) after this step's allocation. ``rows`` lists
     ``(new_tokens, context_tokens_before)`` for every sequence the model computes, padding
-    included: what a step-cost model charges for.
+    included: what a step-cost model charges for. ``spec_token_ids`` maps the requests
+    scheduled with draft tokens to them; their ``num_scheduled_tokens`` count the drafts.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -55,6 +61,7 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     rows: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -125,24 +132,54 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            if not drafts and not self._allocate_or_preempt(request, num_new, out):
                 break
-            out.add(request, num_new, self.kv_cache.get_block_ids(request.request_id))
-            budget -= num_new
+            out.add(request, num_new + len(drafts),
+                    self.kv_cache.get_block_ids(request.request_id))
+            if drafts:
+                out.spec_token_ids[request.request_id] = drafts
+            budget -= num_new + len(drafts)
         return budget
 
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The draft tokens ``request`` verifies this step, their slots allocated after its
+        ``num_new`` tokens: as many of its ``spec_token_ids`` as the budget leaves room for,
+        if it is decoding and the blocks for them are free; none otherwise. Its drafts are
+        used up either way: the next proposal starts from the tokens this step emits."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        drafts = drafts[:budget - num_new]
+        if drafts and self.kv_cache.allocate_slots(
+                request.request_id, request.token_ids, num_new,
+                num_lookahead_tokens=len(drafts)) is not None:
+            return drafts
+        return []
+
     def update(self, out: SchedulerOutput, now: float,
-               sampled: Mapping[str, int] | None = None) -> list[Request]:
+               sampled: Mapping[str, int | list[int]] | None = None) -> list[Request]:
         """Account for a finished step at time ``now``; returns requests that completed.
 
-        ``sampled`` maps request ids to the token an engine sampled for them this step; a
-        simulator leaves it out and requests emit their planned tokens. Every request whose
-        ``check_stop`` ends it (through ``record_step``) leaves ``running`` and frees its blocks.
+        ``sampled`` maps request ids to the token an engine sampled for them this step (for a
+        request scheduled with drafts, the list of tokens the verifier emitted); a simulator
+        leaves it out and requests emit their planned tokens. Every request whose
+        ``check_stop`` ends it (through ``record_step``) leaves ``running`` and frees its
+        blocks; one that verified drafts and goes on keeps the slots of its accepted ones only.
         """
         sampled = sampled or {}
-        done = [r for r in out.requests
-                if r.record_step(out.num_scheduled_tokens[r.request_id], now,
-                                 sampled.get(r.request_id))]
+        done = []
+        for request in out.requests:
+            request_id = request.request_id
+            num_computed = out.num_scheduled_tokens[request_id]
+            drafts = out.spec_token_ids.get(request_id)
+            if drafts:  # the emitted tokens: the accepted drafts, then the model's own
+                num_computed -= len(drafts) - (len(sampled[request_id]) - 1)  # rejected
+            if request.record_step(num_computed, now, sampled.get(request_id)):
+                done.append(request)
+            elif drafts:
+                self.kv_cache.trim_slots(request_id, request.token_ids,
+                                         request.num_computed_tokens)
         for request in done:
             self.kv_cache.free(request.request_id)
             self.running.remove(request)
@@ -225,6 +262,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -1,0 +1,185 @@
+"""Speculative decoding in the teaching engine (chapter 9):
+propose a few tokens cheaply, verify them all in one forward pass, keep the ones the model
+would have produced itself.
+
+A decode step reads every weight to produce one token per sequence, so it is memory-bound
+(chapter 1's roofline): scoring ``k + 1`` positions of a sequence costs little more than
+scoring one. A *proposer* guesses the next ``k`` tokens; the engine appends them to the
+sequence, runs the model once over the last known token and the ``k`` drafts, and the
+*verifier* walks the drafts in order: where the model's own choice equals the draft, the draft
+is accepted and the walk goes on; at the first difference the model's choice replaces it and
+the rest are rejected. If every draft is accepted, the model's choice after the last is a
+bonus token. A step therefore emits between 1 and ``k + 1`` tokens, and with greedy sampling
+exactly the tokens the model would have produced one step at a time.
+
+Here, as in vLLM v1 (``vllm/v1/core/sched/scheduler.py``, ``vllm/v1/spec_decode/``), drafts are
+proposed after a step and scheduled in the next one as the request's ``spec_token_ids``; the
+KV cache gives them lookahead slots that are never offered to the prefix cache, and the slots
+of rejected drafts are handed back after verification
+(:meth:`~labkit.kvcache.KVCacheManager.trim_slots`).
+
+What the teaching engine implements of vLLM's ``--speculative-config``: ``method="ngram"``
+(prompt lookup) with ``num_speculative_tokens``, ``prompt_lookup_min`` and
+``prompt_lookup_max``, verified greedily: requests with ``temperature=0`` and no constraint,
+logprobs or pending ``min_tokens`` are speculated; other requests decode one token a step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from labkit.checks import ParameterError, positive_int
+from labkit.engine.request import EngineRequest
+
+#: The keys of vLLM's ``--speculative-config`` that the teaching engine implements.
+SUPPORTED_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+#: vLLM's default n-gram lengths when neither is given (``SpeculativeConfig.__post_init__``).
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` for n-gram speculation, by its key names.
+
+    ``num_speculative_tokens`` drafts are proposed per step; the proposer looks for the
+    longest suffix of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens that occurred
+    earlier in the sequence.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ParameterError("speculative_config", f"speculative_config: method "
+                                 f"{self.method!r} is not implemented by the teaching "
+                                 f"engine; it implements 'ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParameterError("speculative_config", f"speculative_config: {name} must "
+                                     f"be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ParameterError("speculative_config", f"speculative_config: "
+                                 f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                                 f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, object] | str) -> SpeculativeConfig:
+        """Read vLLM's ``--speculative-config`` (a JSON object or its text). A key the teaching
+        engine does not implement is refused by name rather than ignored; a missing n-gram
+        length takes the other's value, and both default to 5, as in vLLM."""
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as err:
+                raise ParameterError("speculative_config", f"speculative_config: not JSON: "
+                                     f"{err}") from None
+        if not isinstance(config, Mapping):
+            raise ParameterError("speculative_config", "speculative_config: expected a JSON "
+                                 "object")
+        unknown = sorted(set(config) - set(SUPPORTED_KEYS))
+        if unknown:
+            raise ParameterError("speculative_config", f"speculative_config: the teaching "
+                                 f"engine does not implement {', '.join(unknown)}; it takes "
+                                 f"{', '.join(SUPPORTED_KEYS)}")
+        if "num_speculative_tokens" not in config:
+            raise ParameterError("speculative_config", "speculative_config: "
+                                 "num_speculative_tokens is required")
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        low = high if low is None else low
+        high = low if high is None else high
+        return cls(config["num_speculative_tokens"], config.get("method", "ngram"),
+                   DEFAULT_PROMPT_LOOKUP if low is None else low,
+                   DEFAULT_PROMPT_LOOKUP if high is None else high)
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow a sequence."""
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` draft tokens to follow ``token_ids`` (none is fine)."""
+
+
+def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: find the longest suffix of ``token_ids`` of ``min_n`` to ``max_n``
+    tokens that also occurs earlier, and propose up to ``num_tokens`` tokens that followed it.
+
+    Among matches of the longest length the earliest is taken; the proposal may run into the
+    suffix itself and stops at the end of the sequence. This is vLLM's rule
+    (``_find_longest_matched_ngram_and_propose_tokens`` in
+    ``vllm/v1/spec_decode/ngram_proposer.py``, a KMP scan there; a plain scan here).
+    """
+    tokens = list(token_ids)
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:]
+        for start in range(total - n):  # every earlier occurrence, the earliest first
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + num_tokens]
+    return []
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """vLLM's ``method="ngram"`` proposer: drafts copied from the sequence itself, free to
+    make, and right exactly when the text repeats (code edits, quoting, summaries, loops)."""
+
+    config: SpeculativeConfig
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        k = min(self.config.num_speculative_tokens, max_tokens)
+        if k <= 0:
+            return []
+        return propose_ngram(token_ids, k, self.config.prompt_lookup_min,
+                             self.config.prompt_lookup_max)
+
+
+def verify_greedy(draft_token_ids: Sequence[int], rows: np.ndarray,
+                  choose: Callable[[np.ndarray], int]) -> list[int]:
+    """The tokens a step emits: the accepted drafts, then the model's own next token.
+
+    ``rows[j]`` are the logits after the last known token and the first ``j`` drafts
+    (``len(draft_token_ids) + 1`` rows); ``choose`` picks the model's token from a row, the
+    same function that decodes without speculation, so greedy output is unchanged by
+    construction: each draft is kept only if it is the token ``choose`` would have picked.
+    """
+    positive_int("rows", len(rows))
+    if len(rows) != len(draft_token_ids) + 1:
+        raise ParameterError("rows", f"rows: {len(draft_token_ids)} drafts need "
+                             f"{len(draft_token_ids) + 1} rows of logits, got {len(rows)}")
+    emitted = []
+    for j, row in enumerate(rows):
+        token = choose(row)
+        emitted.append(token)
+        if j == len(draft_token_ids) or token != draft_token_ids[j]:
+            break
+    return emitted
+
+
+def speculates(request: EngineRequest) -> bool:
+    """Whether greedy verification can check drafts for ``request`` now: a greedy request
+    without a constraint, logprobs or pending ``min_tokens``, that is decoding. The others
+    decode one token a step (vLLM's rejection sampler also verifies sampled requests)."""
+    params = request.params
+    return (params.greedy and request.constraint is None and params.logprobs is None
+            and request.num_output_tokens >= params.min_tokens
+            and request.num_tokens - request.num_computed_tokens == 1)
+
+
+def propose_drafts(proposer: Proposer, requests: Iterable[EngineRequest]) -> None:
+    """Give every request that :func:`speculates` its drafts for the next step: at most what
+    it may still emit (``max_tokens``, the context window) less the token the model adds
+    after them."""
+    for request in requests:
+        if speculates(request):
+            room = min(request.max_tokens - request.num_output_tokens,
+                       request.max_model_len - request.num_tokens) - 1
+            request.spec_token_ids = proposer.propose(request.token_ids, room)
