@@ -55,7 +55,10 @@ LABKIT_SERVE_LACKS = {
 
 def declared_in_vllm_source() -> dict[str, str]:
     """``{name: counter|gauge|histogram}`` for every ``self._<type>_cls(name="vllm:...")``
-    call in vLLM's PrometheusStatLogger, read with ``ast``."""
+    call in vLLM's PrometheusStatLogger, read with ``ast``; and the speculative-decoding
+    counters of ``vllm/v1/spec_decode/metrics.py``, whose names sit in a list of
+    ``(name, documentation)`` pairs there: every ``"vllm:spec_decode_..."`` string of a file
+    that declares counters only."""
     tree = ast.parse((VLLM_METRICS / "loggers.py").read_text())
     out = {}
     for node in ast.walk(tree):
@@ -64,6 +67,14 @@ def declared_in_vllm_source() -> dict[str, str]:
             for kw in node.keywords:
                 if kw.arg == "name" and isinstance(kw.value, ast.Constant):
                     out[kw.value.value] = node.func.attr[1:-4]
+    spec = ast.parse((VLLM_METRICS.parent / "spec_decode" / "metrics.py").read_text())
+    kinds = {node.attr for node in ast.walk(spec) if isinstance(node, ast.Attribute)
+             and node.attr in ("_counter_cls", "_gauge_cls", "_histogram_cls")}
+    assert kinds == {"_counter_cls"}, kinds
+    for node in ast.walk(spec):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("vllm:spec_decode_"):
+            out[node.value] = "counter"
     return out
 
 
@@ -113,6 +124,39 @@ def exposition(build) -> str:
     registry = CollectorRegistry()
     build(registry)
     return generate_latest(registry).decode()
+
+
+def test_speculating_server_exports_vllms_spec_decode_counters(tmp_path):
+    """``labkit serve`` with n-gram speculation: vLLM's four spec_decode counters, with its
+    types and labels (one series per draft position), and values that add up."""
+    model = write_tiny_model(tmp_path / "tiny")
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+              "prompt_lookup_min": 1}
+    with serve_tiny_model(model, "tiny", max_model_len=256,
+                          speculative_config=config) as (base, _engine):
+        answer = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "the cat sat on the mat. the cat sat on the",
+            "max_tokens": 40, "temperature": 0})
+        assert answer.status_code == 200
+        text = httpx.get(base + "/metrics", timeout=10).text
+    report = check_exposition(text, max_model_len=256)
+    assert [d for d in report.differences if d.kind != "missing"] == [], str(report)
+    spec = {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens",
+            "vllm:spec_decode_num_accepted_tokens_per_pos"}
+    assert spec <= set(report.checked)
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    labels = 'engine="0",model_name="tiny"'
+    drafts = values[f"vllm:spec_decode_num_draft_tokens_total{{{labels}}}"]
+    accepted = values[f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}}"]
+    per_pos = [values[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},'
+                      f'position="{i}"}}'] for i in range(3)]
+    assert 0 < accepted <= drafts and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the ones before
 
 
 def test_differences_are_named():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from labkit.checks import ParameterError
 from labkit.engine import LLM, EngineArgs, LLMEngine, SamplingParams, write_tiny_model
 from labkit.engine.speculative import (NgramProposer, SpeculativeConfig, propose_ngram,
-                                       verify_greedy)
+                                       verify_greedy, verify_sampled)
 from labkit.units import cdiv
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -158,14 +158,6 @@ def test_greedy_output_is_unchanged_by_speculation(tiny, k):
     assert 0 < accepted <= drafts  # drafts were made and some kept: the test is not vacuous
 
 
-def test_sampled_requests_are_not_speculated(tiny):
-    config = SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=2)
-    engine = engine_for(tiny, config)
-    _, drafts, _ = run(engine, [REPEATING], [SamplingParams(temperature=0.8, seed=1,
-                                                             max_tokens=20)])
-    assert drafts == 0
-
-
 @settings(max_examples=25, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(3, 12), min_size=1, max_size=40), min_size=1,
                         max_size=5),
@@ -197,3 +189,87 @@ def test_the_offline_api_takes_vllms_speculative_config(tiny):
             == plain.generate([REPEATING], params)[0].outputs[0].text)
     with pytest.raises(ParameterError, match="speculative_config"):
         LLM(model=str(tiny), speculative_config={"num_speculative_tokens": -1})
+
+
+# -- rejection sampling ----------------------------------------------------------------------
+
+def frequencies_match(counts, n, p, sigmas=5.0):
+    """Every count within ``sigmas`` binomial standard deviations of ``n * p``."""
+    return all(abs(c - n * q) <= sigmas * np.sqrt(n * q * (1 - q)) + 1e-9
+               for c, q in zip(counts, p, strict=True))
+
+
+P0 = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+P1 = np.array([0.1, 0.1, 0.6, 0.1, 0.1])
+P2 = np.full(5, 0.2)
+
+
+def emitted_frequencies(verifier, n=20000, seed=0):
+    """Verify drafts [1, 2] against P0, P1, P2 ``n`` times: the counts of the first emitted
+    token, and of the second given that the first was the draft."""
+    rng = np.random.default_rng(seed)
+    first, second = np.zeros(5), np.zeros(5)
+    for _ in range(n):
+        out = verifier([1, 2], [P0, P1, P2], rng)
+        first[out[0]] += 1
+        if out[0] == 1 and len(out) > 1:  # the draft was kept
+            second[out[1]] += 1
+    return first, second
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """The first token is distributed as P0 and, after the first draft, the second as P1,
+    though the drafts are fixed guesses: speculation changes the speed, not the output's
+    distribution (Leviathan et al. 2023, theorem 3.5)."""
+    first, second = emitted_frequencies(verify_sampled)
+    assert frequencies_match(first, first.sum(), P0)
+    assert frequencies_match(second, second.sum(), P1)
+
+
+def test_the_distribution_check_catches_a_wrong_sampler():
+    """The same check on a plausible mistake, redrawing a rejected draft from the whole of p
+    (the draft may come back): the draft comes out too often, and the check says so."""
+    def redraw_from_p(drafts, probs, rng):
+        if rng.random() < probs[0][drafts[0]]:
+            return [drafts[0], int(rng.choice(5, p=probs[1]))]
+        return [int(rng.choice(5, p=probs[0]))]
+
+    first, _ = emitted_frequencies(redraw_from_p)
+    assert not frequencies_match(first, first.sum(), P0)
+
+
+def test_rejection_sampling_by_hand():
+    rng = np.random.default_rng(0)
+    sure = np.eye(3)[[2, 0, 1]]  # the model is certain: 2, then 0, then 1
+    assert verify_sampled([2, 0], list(sure), rng) == [2, 0, 1]  # both kept, bonus 1
+    assert verify_sampled([2, 1], list(sure), rng) == [2, 0]  # the 1 cannot be kept
+    with pytest.raises(ParameterError, match="2 drafts need 3 distributions"):
+        verify_sampled([2, 1], list(sure[:2]), rng)
+
+
+def test_sampled_requests_are_speculated_and_lose_nothing(tiny):
+    """Sampled requests verify drafts by rejection sampling; requests that ask for logprobs
+    decode one token a step; every block comes back (``run`` checks after every step)."""
+    config = SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=2)
+    sampled = [SamplingParams(temperature=t, seed=s, max_tokens=40, top_k=k)
+               for t, s, k in ((0.3, 1, -1), (1.0, 2, 5), (0.7, 3, 2))]
+    outputs, drafts, accepted = run(engine_for(tiny, config), [REPEATING] * 3, sampled)
+    assert drafts > 0 and accepted > 0
+    assert all(len(tokens) == 40 for tokens in outputs.values())
+    _, drafts, _ = run(engine_for(tiny, config), [REPEATING],
+                       [SamplingParams(temperature=0, max_tokens=20, logprobs=2)])
+    assert drafts == 0
+
+
+def test_labkit_serve_refuses_a_config_it_does_not_implement(tiny, capsys):
+    """At start-up, before any port is bound: the key named, exit status 2."""
+    from labkit import cli
+    status = cli.main(["serve", str(tiny), "--port", "1", "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_'
+                       'parallel_size": 1}'])
+    assert status == 2
+    assert "does not implement draft_tensor_parallel_size" in capsys.readouterr().err
+    from labkit.engine.args import parse_engine_args
+    args = parse_engine_args([str(tiny), "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert args.speculative_config == SpeculativeConfig(2)

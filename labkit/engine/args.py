@@ -48,6 +48,11 @@ def serve_parser(subparsers) -> argparse.ArgumentParser:
                    default=defaults.enable_sleep_mode,
                    help="allow POST /sleep and /wake_up (routes on with "
                         "VLLM_SERVER_DEV_MODE=1, as in vLLM)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative decoding config; the teaching engine implements "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+                        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": N}' and refuses "
+                        "any other key")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $VLLM_API_KEY, as vLLM)")
@@ -70,7 +75,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching,
                       enable_chunked_prefill=ns.enable_chunked_prefill, seed=ns.seed,
                       device_memory_gib=ns.device_memory_gib, device_id=ns.device_id,
-                      enable_sleep_mode=ns.enable_sleep_mode)
+                      enable_sleep_mode=ns.enable_sleep_mode,
+                      speculative_config=ns.speculative_config)
 
 
 def parse_engine_args(argv: Sequence[str]) -> EngineArgs:

@@ -46,7 +46,9 @@ class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, served_model_name: str | None = None) -> None:
         self.engine = LLMEngine(args)
         self.model_name = served_model_name or args.model
-        self.metrics = EngineMetrics(self.model_name)
+        spec = args.speculative_config
+        self.metrics = EngineMetrics(self.model_name,
+                                     spec.num_speculative_tokens if spec is not None else None)
         self.dead_error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -146,7 +148,8 @@ class AsyncLLMEngine:
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
-            self.metrics.record(engine.last_stats.scheduler, engine.last_stats.iteration)
+            stats = engine.last_stats
+            self.metrics.record(stats.scheduler, stats.iteration, stats.spec_decoding)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:

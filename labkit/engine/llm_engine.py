@@ -45,8 +45,7 @@ from labkit.engine.inputs import (check_token_ids, encode_prompt, max_tokens_for
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
-from labkit.engine.speculative import (NgramProposer, SpeculativeConfig, propose_drafts,
-                                      verify_greedy)
+from labkit.engine.speculative import NgramProposer, SpeculativeConfig, propose_drafts, verify
 from labkit.engine.stats import (NO_LOOKUPS, EngineStats, IterationStats, PrefixCacheStats,
                                  SchedulerStats, SpecDecodingStats)
 from labkit.engine.sampling import (
@@ -434,8 +433,8 @@ class LLMEngine:
                 stats.num_prompt_tokens += request.prompt_len  # cached ones too, as vLLM
             drafts = out.spec_token_ids.get(request.request_id)
             if drafts:
-                emitted = verify_greedy(drafts, rows[-len(drafts) - 1:],
-                                        lambda row, r=request: self._sample(r, row))
+                emitted = verify(drafts, rows[-len(drafts) - 1:], request.params, request.rng,
+                                 request.sampling_mask(self.vocab_size))
                 spec_stats.observe_draft(len(drafts), len(emitted) - 1)
                 sampled[request.request_id] = emitted
                 continue

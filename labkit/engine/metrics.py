@@ -9,14 +9,18 @@ per data-parallel rank); the teaching engine is a single core, engine ``"0"``.
 The series are fed from the engine's own records of each step
 (:class:`~labkit.engine.stats.SchedulerStats` and :class:`~labkit.engine.stats.IterationStats`),
 as vLLM's ``PrometheusStatLogger.record`` is: gauges take the scheduler's state, counters add
-the step's counts, histograms observe the step's latencies.
+the step's counts, histograms observe the step's latencies. An engine that speculates also
+exports vLLM's ``vllm:spec_decode_*`` counters (``vllm/v1/spec_decode/metrics.py``), from its
+:class:`~labkit.engine.stats.SpecDecodingStats`: the acceptance rate is
+``rate(vllm:spec_decode_num_accepted_tokens_total) /
+rate(vllm:spec_decode_num_draft_tokens_total)``.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from labkit.engine.stats import IterationStats, SchedulerStats
+from labkit.engine.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 # vLLM's own bucket edges, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -28,9 +32,11 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineMetrics:
-    """Counters, gauges and histograms of one served model, in their own registry."""
+    """Counters, gauges and histograms of one served model, in their own registry;
+    ``num_speculative_tokens`` for an engine that speculates (the per-position counters
+    have one series per draft position, as vLLM's)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
         r = self.registry
@@ -60,11 +66,33 @@ class EngineMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency.",
                              E2E_BUCKETS)
+        self.spec_counters: tuple[Counter, Counter, Counter] | None = None
+        self.spec_accepted_per_pos: list[Counter] = []
+        if num_speculative_tokens is not None:
+            self.spec_counters = (
+                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."))
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.",
+                              [*labels, "position"], registry=r)
+            self.spec_accepted_per_pos = [per_pos.labels(**labels, position=str(i))
+                                          for i in range(num_speculative_tokens)]
 
     def record(self, scheduler_stats: SchedulerStats,
-               iteration_stats: IterationStats | None = None) -> None:
+               iteration_stats: IterationStats | None = None,
+               spec_decoding_stats: SpecDecodingStats | None = None) -> None:
         """Bring the metrics up to date with one step's records (vLLM's ``record``); without
         ``iteration_stats`` (an abort, a sleep) only the gauges move."""
+        if spec_decoding_stats is not None and self.spec_counters is not None:
+            drafts, draft_tokens, accepted = self.spec_counters
+            drafts.inc(spec_decoding_stats.num_drafts)
+            draft_tokens.inc(spec_decoding_stats.num_draft_tokens)
+            accepted.inc(spec_decoding_stats.num_accepted_tokens)
+            for counter, count in zip(self.spec_accepted_per_pos,
+                                      spec_decoding_stats.num_accepted_tokens_per_pos,
+                                      strict=True):
+                counter.inc(count)
         self.running.set(scheduler_stats.num_running_reqs)
         self.waiting.set(scheduler_stats.num_waiting_reqs)
         self.kv_usage.set(scheduler_stats.kv_cache_usage)

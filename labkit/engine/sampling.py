@@ -129,10 +129,21 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     ``allowed`` (a boolean mask from a constraint) must let at least one token through; the
     engine checks that before calling.
     """
+    if params.greedy:
+        if allowed is not None:
+            logits = np.where(allowed, logits, -np.inf)
+        return int(np.argmax(logits))
+    probs = token_probabilities(logits, params, allowed)
+    return int(rng.choice(len(probs), p=probs))
+
+
+def token_probabilities(logits: np.ndarray, params: SamplingParams,
+                        allowed: np.ndarray | None = None) -> np.ndarray:
+    """The distribution :func:`sample` draws from for a sampled (not greedy) request: mask,
+    temperature, then top-k, then top-p, as float64 probabilities that sum to 1. Speculative
+    decoding's rejection sampler needs it whole (:func:`labkit.engine.speculative.verify`)."""
     if allowed is not None:
         logits = np.where(allowed, logits, -np.inf)
-    if params.greedy:
-        return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature
     if 0 < params.top_k < len(scaled):
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
@@ -147,7 +158,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         mask[keep] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
-    return int(rng.choice(len(probs), p=probs))
+    return probs
 
 
 def logprobs_of(logits: np.ndarray, token_id: int, num_top: int,

@@ -18,10 +18,20 @@ KV cache gives them lookahead slots that are never offered to the prefix cache, 
 of rejected drafts are handed back after verification
 (:meth:`~labkit.kvcache.KVCacheManager.trim_slots`).
 
+Sampled requests are verified by rejection sampling (Leviathan et al. 2023, Chen et al.
+2023), which keeps each emitted token's distribution exactly the model's: a draft ``d`` is
+accepted with probability ``min(1, p(d) / q(d))``, where ``p`` is the model's distribution
+and ``q`` the proposer's; on rejection the token is drawn from ``max(0, p - q)``,
+renormalized. An n-gram proposer has no distribution: ``q`` is all on its draft, so ``d`` is
+kept with probability ``p(d)`` and a rejection draws from ``p`` without ``d``, as vLLM's
+rejection sampler does without draft probabilities (``vllm/v1/sample/rejection_sampler.py``).
+A seeded request's tokens therefore differ with and without speculation (the random draws
+differ), while their distribution does not.
+
 What the teaching engine implements of vLLM's ``--speculative-config``: ``method="ngram"``
 (prompt lookup) with ``num_speculative_tokens``, ``prompt_lookup_min`` and
-``prompt_lookup_max``, verified greedily: requests with ``temperature=0`` and no constraint,
-logprobs or pending ``min_tokens`` are speculated; other requests decode one token a step.
+``prompt_lookup_max``. Requests with a constraint, logprobs or pending ``min_tokens``
+decode one token a step.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import numpy as np
 
 from labkit.checks import ParameterError, positive_int
 from labkit.engine.request import EngineRequest
+from labkit.engine.sampling import SamplingParams, sample, token_probabilities
 
 #: The keys of vLLM's ``--speculative-config`` that the teaching engine implements.
 SUPPORTED_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
@@ -164,12 +175,49 @@ def verify_greedy(draft_token_ids: Sequence[int], rows: np.ndarray,
     return emitted
 
 
+def verify_sampled(draft_token_ids: Sequence[int], probs: Sequence[np.ndarray],
+                   rng: np.random.Generator) -> list[int]:
+    """Rejection sampling of drafts proposed without a distribution (n-gram): the tokens a
+    step emits. ``probs[j]`` is the model's distribution after the last known token and the
+    first ``j`` drafts (one more than there are drafts). Draft ``j`` is kept with probability
+    ``probs[j][draft]``; the first one rejected is replaced by a token drawn from
+    ``probs[j]`` without it; if all are kept, a bonus token is drawn from the last row. Each
+    emitted token is distributed exactly as ``probs`` says, whatever the drafts."""
+    if len(probs) != len(draft_token_ids) + 1:
+        raise ParameterError("probs", f"probs: {len(draft_token_ids)} drafts need "
+                             f"{len(draft_token_ids) + 1} distributions, got {len(probs)}")
+    emitted = []
+    for draft, p in zip(draft_token_ids, probs, strict=False):
+        if rng.random() < p[draft]:  # accepted with probability p(d) / q(d), q(d) = 1
+            emitted.append(draft)
+            continue
+        residual = p.copy()  # max(0, p - q): p without the draft
+        residual[draft] = 0.0
+        emitted.append(int(rng.choice(len(p), p=residual / residual.sum())))
+        return emitted
+    emitted.append(int(rng.choice(len(probs[-1]), p=probs[-1])))  # every draft kept: a bonus
+    return emitted
+
+
+def verify(draft_token_ids: Sequence[int], rows: np.ndarray, params: SamplingParams,
+           rng: np.random.Generator, allowed: np.ndarray | None = None) -> list[int]:
+    """The tokens a step emits for a request that verified ``draft_token_ids``, from the
+    model's logits ``rows`` at those positions: greedily for a greedy request (exactly its
+    output without speculation), by rejection sampling otherwise (exactly its distribution).
+    ``allowed`` masks the vocabulary, as in :func:`~labkit.engine.sampling.sample`."""
+    if params.greedy:
+        return verify_greedy(draft_token_ids, rows,
+                             lambda row: sample(row, params, rng, allowed))
+    return verify_sampled(draft_token_ids,
+                          [token_probabilities(row, params, allowed) for row in rows], rng)
+
+
 def speculates(request: EngineRequest) -> bool:
-    """Whether greedy verification can check drafts for ``request`` now: a greedy request
-    without a constraint, logprobs or pending ``min_tokens``, that is decoding. The others
-    decode one token a step (vLLM's rejection sampler also verifies sampled requests)."""
+    """Whether drafts can be verified for ``request`` now: a request without a constraint,
+    logprobs or pending ``min_tokens``, that is decoding. The others decode one token a step
+    (their next token's mask or logprobs depend on the tokens before it)."""
     params = request.params
-    return (params.greedy and request.constraint is None and params.logprobs is None
+    return (request.constraint is None and params.logprobs is None
             and request.num_output_tokens >= params.min_tokens
             and request.num_tokens - request.num_computed_tokens == 1)
 
