@@ -273,3 +273,29 @@ def test_labkit_serve_refuses_a_config_it_does_not_implement(tiny, capsys):
     args = parse_engine_args([str(tiny), "--speculative-config",
                               '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert args.speculative_config == SpeculativeConfig(2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(3, 8), min_size=30, max_size=40), min_size=5,
+                        max_size=6),
+       k=st.integers(1, 5), temperature=st.sampled_from([0.0, 0.8]))
+def test_speculation_under_memory_pressure(tiny, prompts, k, temperature):
+    """A cache of 42 blocks of 4 tokens for requests of up to 70 tokens: requests are
+    preempted and recomputed, drafts find no free block and are dropped. Greedy output is
+    still unchanged, sampled requests finish, and every block comes back (``run``). Prefix
+    caching is off, so that equal prompts share no block and the pressure is real."""
+    args = {"block_size": 4, "device_memory_gib": 0.0023, "max_model_len": 128,
+            "enable_prefix_caching": False,
+            "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=30)
+              for i in range(len(prompts))]
+    plain_engine = engine_for(tiny, **args)
+    assert plain_engine.num_gpu_blocks == 42
+    plain, _, _ = run(plain_engine, prompts, params)
+    config = SpeculativeConfig(k, prompt_lookup_min=1, prompt_lookup_max=2)
+    spec_engine = engine_for(tiny, config, **args)
+    spec, _, _ = run(spec_engine, prompts, params)
+    assert plain_engine.scheduler.num_preemptions > 0  # the pressure is real
+    assert len(spec) == len(prompts)  # every request finished (a sampled one may stop early)
+    if temperature == 0:
+        assert spec == plain
