@@ -47,11 +47,16 @@ def _source(path: str) -> str:
         return f.read()
 
 
+#: What a notebook calls to start its vLLM server (its plain one, with no options, is the
+#: run's shared server), as its source spells it (JSON-escaped quotes).
+LAB_VLLM_STARTS = ('start_lab_server(\\"vllm\\"', "speculation_sweep(")
+
+
 def uses_shared_vllm(path: str) -> bool:
     """Whether the test module or notebook at ``path`` uses the run's vLLM server: a lab that
     starts its server on vLLM, a module whose tests take the ``shared_vllm`` fixture."""
     if path.endswith(".ipynb"):
-        return 'start_lab_server(\\"vllm\\"' in _source(path)
+        return any(start in _source(path) for start in LAB_VLLM_STARTS)
     return path.endswith(".py") and re.search(r"\bshared_vllm\b", _source(path)) is not None
 
 

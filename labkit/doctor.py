@@ -55,6 +55,7 @@ LABS: dict[str, LabNeeds] = {
     "07_tco": LabNeeds(),
     "08_deploy": LabNeeds("vllm", GATEWAY),
     "08_monitoring": LabNeeds(modules=GATEWAY, optional_tools=("prometheus",)),
+    "09_speculative_decoding": LabNeeds("vllm", SERVE),
     "gpu/vllm_deploy_benchmark": LabNeeds("vllm", SERVE),
     "gpu/sglang": LabNeeds("sglang", SERVE),
     "gpu/tensorrt_llm": LabNeeds("trtllm", SERVE),

@@ -13,12 +13,14 @@ This module only writes command lines. :class:`labkit.process.ServerProcess` run
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from labkit.checks import ParameterError, in_range, positive_int
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.lab import shown_path
 
 
@@ -38,6 +40,8 @@ class ServeConfig:
     max_num_seqs: int | None = None
     trust_remote_code: bool = False
     shutdown_timeout: int | None = None  # s to drain running requests on SIGTERM (vLLM: 0)
+    # vLLM's --speculative-config, a JSON object by its key names (chapter 9)
+    speculative_config: Mapping[str, object] | None = None
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -51,6 +55,8 @@ class ServeConfig:
             positive_int("max_model_len", self.max_model_len)
         if self.shutdown_timeout is not None:
             positive_int("shutdown_timeout", self.shutdown_timeout, at_least=0)
+        if self.speculative_config is not None:
+            _check_speculative_config(self.speculative_config)
 
     @property
     def base_url(self) -> str:
@@ -62,8 +68,44 @@ class ServeConfig:
         return self.served_model_name or self.model
 
 
+def _check_speculative_config(config: object) -> None:
+    """vLLM's own checks that do not depend on the method: a JSON object whose
+    ``num_speculative_tokens``, when given, is a whole number of drafts, at least 1."""
+    if not isinstance(config, Mapping):
+        raise ParameterError("speculative_config", f"speculative_config must be a mapping of "
+                             f"vLLM's --speculative-config keys, got {type(config).__name__}")
+    try:
+        json.dumps(dict(config), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ParameterError("speculative_config", f"speculative_config must be JSON: "
+                                                   f"{err}") from None
+    drafts = config.get("num_speculative_tokens")
+    if drafts is not None:
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
+            raise ParameterError("speculative_config", f"speculative_config: "
+                                 f"num_speculative_tokens must be an integer >= 1, "
+                                 f"got {drafts!r}")
+
+
 def _optional(flag: str, value) -> list[str]:
     return [] if value is None else [flag, str(value)]
+
+
+def _speculative(cfg: ServeConfig) -> list[str]:
+    """``--speculative-config`` as vLLM and ``labkit serve`` read it: compact JSON."""
+    if cfg.speculative_config is None:
+        return []
+    return ["--speculative-config", json.dumps(dict(cfg.speculative_config),
+                                               separators=(",", ":"), allow_nan=False)]
+
+
+def _no_speculative(cfg: ServeConfig, engine: str, flags: str) -> None:
+    """Refuse vLLM's ``--speculative-config`` for an engine that names speculation otherwise:
+    its methods and counts do not map one to one, so a translation would change what runs."""
+    if cfg.speculative_config is not None:
+        raise ParameterError("speculative_config", f"speculative_config is vLLM's "
+                             f"--speculative-config; {engine} has its own flags with other "
+                             f"meanings ({flags}): pass them in extra_args")
 
 
 def vllm_command(cfg: ServeConfig) -> list[str]:
@@ -77,12 +119,15 @@ def vllm_command(cfg: ServeConfig) -> list[str]:
             *_optional("--quantization", cfg.quantization),
             *_optional("--max-num-seqs", cfg.max_num_seqs),
             *_optional("--shutdown-timeout", cfg.shutdown_timeout),
+            *_speculative(cfg),
             *(["--trust-remote-code"] if cfg.trust_remote_code else []),
             *cfg.extra_args]
 
 
 def sglang_command(cfg: ServeConfig) -> list[str]:
     """``python -m sglang.launch_server``: SGLang names the same options differently."""
+    _no_speculative(cfg, "SGLang", "--speculative-algorithm NGRAM or EAGLE, "
+                                   "--speculative-num-draft-tokens, ...")
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model,
             "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", cfg.name,
             "--tp-size", str(cfg.tensor_parallel_size),
@@ -132,6 +177,8 @@ def trtllm_command(cfg: ServeConfig, backend: str = "pytorch", *,
     if backend not in ("pytorch", "tensorrt"):
         raise ParameterError("backend", f"backend must be 'pytorch' or 'tensorrt', "
                                         f"got {backend!r}")
+    _no_speculative(cfg, "trtllm-serve", "speculative_config in its --extra_llm_api_options "
+                                         "YAML file")
     if kv_cache_free_gpu_memory_fraction is not None:
         in_range("kv_cache_free_gpu_memory_fraction", kv_cache_free_gpu_memory_fraction, 0, 1,
                  low_open=True)
@@ -172,11 +219,14 @@ def labkit_command(cfg: ServeConfig) -> list[str]:
         raise ParameterError("quantization", "quantization must be None for the teaching "
                              "engine: it runs on one device, unquantized, got "
                              f"{cfg.quantization!r}")
+    if cfg.speculative_config is not None:  # what it does not implement, refused here
+        SpeculativeConfig.from_dict(cfg.speculative_config)
     return [sys.executable, "-m", "labkit.cli", "serve", cfg.model, "--host", cfg.host,
             "--port", str(cfg.port), "--served-model-name", cfg.name,
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
             *_optional("--max-model-len", cfg.max_model_len),
-            *_optional("--max-num-seqs", cfg.max_num_seqs), *cfg.extra_args]
+            *_optional("--max-num-seqs", cfg.max_num_seqs), *_speculative(cfg),
+            *cfg.extra_args]
 
 
 def format_command(command: Sequence[str]) -> str:

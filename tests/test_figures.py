@@ -16,11 +16,13 @@ from labkit.figures.kvcache import block_table_figure, shared_prefix_example
 from labkit.figures.parallel import (ring_all_reduce_figure, ring_all_reduce_steps,
                                      tensor_parallel_mlp_figure)
 from labkit.figures.roofline import prefill_decode_roofline
+from labkit.figures.speculation import speedup_figure, tokens_per_step_figure
 from labkit.gateway.endpoints import Endpoint, RoutingRequest, SaturatedError
 from labkit.gateway.routing import make_router
 from labkit.kvcache import KVCacheManager
 from labkit.parallel import ring_all_reduce_bytes
 from labkit.scheduling import continuous_decode_steps, static_decode_steps
+from labkit.simulate.speculation import speculative_decode_gain
 
 
 @pytest.fixture(autouse=True)
@@ -327,3 +329,38 @@ def test_engine_loop_is_labelled_from_the_engine(tmp_path):
     assert "max_num_batched_tokens 256" in boxes["scheduler"]
     assert f"{engine.num_gpu_blocks:,} blocks of 8 tokens" in boxes["KV cache manager"]
     assert "2 layers, hidden 128" in boxes["model runner"]  # write_tiny_model's shape
+
+
+def _line(fig, gid, ax_index=0):
+    return next(line for line in fig.axes[ax_index].get_lines() if line.get_gid() == gid)
+
+
+def test_tokens_per_step_curves_run_from_one_to_k_plus_one_through_the_measured_points():
+    fig = tokens_per_step_figure((1, 4), measured={"vLLM CPU, repetitive": (0.9, 3.7)})
+    for k in (1, 4):
+        y = _line(fig, f"k:{k}").get_ydata()
+        assert y[0] == pytest.approx(1) and y[-1] == pytest.approx(k + 1)
+    # a = 0.5, k = 4 (the middle of 101 points): 1 + 0.5 + 0.25 + 0.125 + 0.0625 = 1.9375.
+    assert _line(fig, "k:4").get_ydata()[50] == pytest.approx(1.9375)
+    point = _line(fig, "vLLM CPU, repetitive")
+    assert (point.get_xdata()[0], point.get_ydata()[0]) == (0.9, 3.7)
+    with pytest.raises(ParameterError):
+        tokens_per_step_figure((0,))
+
+
+def test_speedup_figure_puts_the_measurement_beside_the_rooflines_prediction():
+    fig = speedup_figure({"repetitive": [(4, 1.4), (1, 0.9)]}, "vLLM CPU", 0.7, 4,
+                         context_lens=(256, 4096), batch_sizes=(1, 1024))
+    measured = _line(fig, "measured:repetitive")
+    assert list(measured.get_xdata()) == [1, 4] and list(measured.get_ydata()) == [0.9, 1.4]
+    predicted = _line(fig, "predicted:256", ax_index=1)
+    expected = [speculative_decode_gain("Llama-3-8B", "H100 SXM", b, 256, 4, 0.7).speedup
+                for b in (1, 1024)]
+    assert list(predicted.get_ydata()) == pytest.approx(expected)
+    assert expected[0] > 2 > 1 > expected[1]   # memory-bound at 1, compute-bound at 1024
+    # 1,024 sequences of 4,100 tokens at 128 KiB a token (Llama-3-8B, bf16) are 513 GiB of
+    # KV cache: far past an H100's 80 GB, so that line keeps only batch 1.
+    assert list(_line(fig, "predicted:4096", ax_index=1).get_xdata()) == [1]
+    with pytest.raises(ParameterError) as err:
+        speedup_figure({}, "x", 0.7, 4)
+    assert err.value.param == "measured"

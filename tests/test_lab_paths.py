@@ -18,7 +18,7 @@ pytestmark = pytest.mark.lab  # whole labs, on the teaching engine
 LABS = Path(__file__).resolve().parent.parent / "labs"
 ENGINE_LABS = ["02_offline_inference.ipynb", "02_openai_server.ipynb",
                "02_benchmark_serving.ipynb", "gpu/vllm_deploy_benchmark.ipynb",
-               "03_tensor_parallel.ipynb"]
+               "03_tensor_parallel.ipynb", "09_speculative_decoding.ipynb"]
 
 
 @pytest.mark.parametrize("name", ENGINE_LABS)

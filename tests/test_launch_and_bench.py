@@ -1,6 +1,7 @@
 """Launch commands, the server process manager, and the benchmark harness end to end."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from labkit.bench import benchmark, request_latencies, server_tokenizer
 from labkit.simulate import random_dataset, shared_prefix_dataset
 from labkit.checks import ParameterError
 from labkit.engine import write_tiny_model
+from labkit.engine.args import parse_engine_args
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.engine.tokenizer import Tokenizer
 from labkit.lab import ENGINE_PACKAGES
 from labkit.launch import (COMMANDS, ServeConfig, command_for, labkit_command,
@@ -77,6 +80,48 @@ def test_bad_configs():
     with pytest.raises(ParameterError, match="backend must be 'pytorch' or 'tensorrt'") as err:
         trtllm_command(CFG, backend="onnx")
     assert err.value.param == "backend"
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_speculative_config_is_vllms_json_for_vllm_and_the_teaching_engine():
+    cfg = ServeConfig(model="m", speculative_config=NGRAM)
+    for command in (vllm_command(cfg), labkit_command(cfg)):
+        assert json.loads(flag(command, "--speculative-config")) == NGRAM
+    # labkit serve reads it back with vLLM's defaulting: the missing minimum takes the maximum.
+    args = parse_engine_args(labkit_command(cfg)[4:])
+    assert args.speculative_config == SpeculativeConfig(4, "ngram", 3, 3)
+    assert "--speculative-config" not in vllm_command(ServeConfig(model="m"))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "integer >= 1, got 0"),
+    ({"num_speculative_tokens": True}, "integer >= 1, got True"),
+    ({"num_speculative_tokens": 2.5}, "integer >= 1, got 2.5"),
+    ({"num_speculative_tokens": 2, "acceptance": float("nan")}, "must be JSON"),
+    ({"num_speculative_tokens": 2, "model": object()}, "must be JSON"),
+    ('{"num_speculative_tokens": 2}', "must be a mapping"),
+])
+def test_a_speculative_config_vllm_would_refuse_is_refused_here(config, message):
+    with pytest.raises(ParameterError, match=message) as err:
+        ServeConfig(model="m", speculative_config=config)
+    assert err.value.param == "speculative_config"
+
+
+def test_speculation_the_engine_cannot_run_is_refused_before_it_starts():
+    # vLLM runs draft models and EAGLE; the teaching engine only n-gram lookup: said by name.
+    eagle = ServeConfig(model="m", speculative_config={"method": "eagle", "model": "d",
+                                                       "num_speculative_tokens": 3})
+    assert json.loads(flag(vllm_command(eagle), "--speculative-config"))["method"] == "eagle"
+    with pytest.raises(ParameterError, match="does not implement model") as err:
+        labkit_command(eagle)
+    assert err.value.param == "speculative_config"
+    # SGLang and TensorRT-LLM name speculation otherwise, with other meanings: no translation.
+    for render, name in ((sglang_command, "SGLang"), (trtllm_command, "trtllm-serve")):
+        with pytest.raises(ParameterError, match=f"{name} has its own flags") as err:
+            render(ServeConfig(model="m", speculative_config=NGRAM))
+        assert err.value.param == "speculative_config"
 
 
 def test_one_name_per_engine():

@@ -64,3 +64,11 @@ def test_sglang_parses_our_command(cfg):
     assert args.served_model_name == cfg.name
     assert (args.host, args.port) == (cfg.host, cfg.port)
     assert args.trust_remote_code == cfg.trust_remote_code
+
+
+def test_vllm_parses_our_speculative_config():
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}
+    command = vllm_command(ServeConfig(model="/models/tiny", speculative_config=ngram))
+    args = vllm_parser().parse_args(["--model", command[2], *command[3:]])
+    assert args.speculative_config == ngram
