@@ -78,7 +78,8 @@ def test_speculative_config_reads_vllms_keys():
                                          '"prompt_lookup_max": 3}')
     assert (config.num_speculative_tokens, config.prompt_lookup_min,
             config.prompt_lookup_max) == (4, 3, 3)  # a missing bound takes the other's value
-    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).prompt_lookup_min == 5
+    assert SpeculativeConfig.from_dict({"method": "ngram",
+                                        "num_speculative_tokens": 2}).prompt_lookup_min == 5
 
 
 @pytest.mark.parametrize("config, words", [
@@ -86,8 +87,10 @@ def test_speculative_config_reads_vllms_keys():
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not implemented"),
-    ({"num_speculative_tokens": 2, "model": "x"}, "does not implement model"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+     "does not implement draft_tensor_parallel_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2},
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ("{not json", "not JSON"),
     ("[1, 2]", "expected a JSON object"),

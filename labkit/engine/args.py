@@ -51,8 +51,9 @@ def serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's speculative decoding config; the teaching engine implements "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
-                        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": N}' and refuses "
-                        "any other key")
+                        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": N}' and "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, "
+                        "\"num_speculative_tokens\": K}', and refuses any other key")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $VLLM_API_KEY, as vLLM)")

@@ -45,7 +45,8 @@ from labkit.engine.inputs import (check_token_ids, encode_prompt, max_tokens_for
 from labkit.engine.model import LlamaModel, SequenceBatch
 from labkit.engine.outputs import RequestOutput
 from labkit.engine.request import EngineRequest
-from labkit.engine.speculative import NgramProposer, SpeculativeConfig, propose_drafts, verify
+from labkit.engine.draft_model import make_proposer
+from labkit.engine.speculative import SpeculativeConfig, propose_drafts, verify
 from labkit.engine.stats import (NO_LOOKUPS, EngineStats, IterationStats, PrefixCacheStats,
                                  SchedulerStats, SpecDecodingStats)
 from labkit.engine.sampling import (
@@ -164,7 +165,7 @@ class LLMEngine:
         self.keep_all_logits = False
         self.last_step_logits: dict[str, np.ndarray] = {}
         spec = args.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec, self.vocab_size, self.max_model_len) if spec else None
         # The records of the latest step, for the metrics (vLLM's SchedulerStats and
         # IterationStats).
         self.last_stats = EngineStats(self.scheduler_stats())

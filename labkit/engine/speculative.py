@@ -30,8 +30,10 @@ differ), while their distribution does not.
 
 What the teaching engine implements of vLLM's ``--speculative-config``: ``method="ngram"``
 (prompt lookup) with ``num_speculative_tokens``, ``prompt_lookup_min`` and
-``prompt_lookup_max``. Requests with a constraint, logprobs or pending ``min_tokens``
-decode one token a step.
+``prompt_lookup_max``, and ``method="draft_model"`` with ``model``, the draft model's directory
+(:mod:`labkit.engine.draft_model`). As in vLLM, a config without a method drafts with its
+``model``, or by n-gram when that ``model`` is ``"ngram"``. Requests with a constraint,
+logprobs or pending ``min_tokens`` decode one token a step.
 """
 
 from __future__ import annotations
@@ -48,30 +50,39 @@ from labkit.engine.request import EngineRequest
 from labkit.engine.sampling import SamplingParams, sample, token_probabilities
 
 #: The keys of vLLM's ``--speculative-config`` that the teaching engine implements.
-SUPPORTED_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SUPPORTED_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
+                  "prompt_lookup_max")
+#: The methods it implements: prompt lookup and a draft model.
+METHODS = ("ngram", "draft_model")
 #: vLLM's default n-gram lengths when neither is given (``SpeculativeConfig.__post_init__``).
 DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` for n-gram speculation, by its key names.
+    """vLLM's ``--speculative-config``, by its key names.
 
-    ``num_speculative_tokens`` drafts are proposed per step; the proposer looks for the
-    longest suffix of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens that occurred
-    earlier in the sequence.
+    ``num_speculative_tokens`` drafts are proposed per step. With ``method="ngram"`` the
+    proposer looks for the longest suffix of ``prompt_lookup_min`` to ``prompt_lookup_max``
+    tokens that occurred earlier in the sequence; with ``method="draft_model"``, ``model``
+    (a directory) guesses them.
     """
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ParameterError("speculative_config", f"speculative_config: method "
                                  f"{self.method!r} is not implemented by the teaching "
-                                 f"engine; it implements 'ngram'")
+                                 f"engine; it implements {', '.join(map(repr, METHODS))}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ParameterError("speculative_config", "speculative_config: model (a draft "
+                                 "model's directory) goes with method 'draft_model', and only "
+                                 "with it")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -85,8 +96,10 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, object] | str) -> SpeculativeConfig:
         """Read vLLM's ``--speculative-config`` (a JSON object or its text). A key the teaching
-        engine does not implement is refused by name rather than ignored; a missing n-gram
-        length takes the other's value, and both default to 5, as in vLLM."""
+        engine does not implement is refused by name rather than ignored. As in vLLM, a
+        missing method is ``"ngram"`` when ``model`` is ``"ngram"`` and ``"draft_model"``
+        otherwise, and a missing n-gram length takes the other's value, both 5 when neither
+        is given."""
         if isinstance(config, str):
             try:
                 config = json.loads(config)
@@ -104,12 +117,21 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in config:
             raise ParameterError("speculative_config", "speculative_config: "
                                  "num_speculative_tokens is required")
+        model = config.get("model")
+        method = config.get("method") or ("ngram" if model in ("ngram", "[ngram]")
+                                          else "draft_model")
+        if method == "ngram":
+            model = None  # "ngram" names the method, not a directory
+        elif "prompt_lookup_min" in config or "prompt_lookup_max" in config:
+            raise ParameterError("speculative_config", f"speculative_config: "
+                                 f"prompt_lookup_min and prompt_lookup_max are for method "
+                                 f"'ngram', not {method!r}")
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         low = high if low is None else low
         high = low if high is None else high
-        return cls(config["num_speculative_tokens"], config.get("method", "ngram"),
+        return cls(config["num_speculative_tokens"], method,
                    DEFAULT_PROMPT_LOOKUP if low is None else low,
-                   DEFAULT_PROMPT_LOOKUP if high is None else high)
+                   DEFAULT_PROMPT_LOOKUP if high is None else high, model)
 
 
 class Proposer(Protocol):
