@@ -14,17 +14,23 @@ batches (MagicDec: Chen et al. 2024, arXiv:2408.11049).
 
 The model here is the papers' (Leviathan et al. 2023; Chen et al. 2023): each
 draft is accepted independently with probability ``acceptance_rate`` until the first
-rejection, and every step proposes ``num_speculative_tokens`` drafts. Real proposers draft
+rejection, and every step proposes ``num_speculative_tokens`` drafts. The same model drives
+the simulator (:class:`SimulatedSpeculation`), where the batch, the queue and the KV cache are
+those of a served workload rather than one fixed step. Real proposers draft
 fewer where they find no match (n-gram) and accept runs, not coin flips; the teaching engine
 and vLLM measure the real figures (``vllm:spec_decode_*``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from labkit.checks import in_range, positive_int
 from labkit.hardware import GPU, ModelSpec, StepBound, step_bound
+from labkit.scheduling import Request, SchedulerOutput
 
 
 def expected_tokens_per_step(acceptance_rate: float, num_speculative_tokens: int) -> float:
@@ -99,3 +105,71 @@ def speculative_decode_gain(model: ModelSpec | str, gpu: GPU | str, batch_size: 
                         weight_dtype, kv_dtype, tensor_parallel_size)
     return SpeculationGain(batch_size, acceptance_rate, num_speculative_tokens, plain, verify,
                            draft_cost * plain.time_s)
+
+
+@dataclass(frozen=True)
+class SimulatedSpeculation:
+    """Speculative decoding in the simulator (chapter 9): before every step each decoding
+    request proposes up to ``num_speculative_tokens`` drafts; verification accepts each with
+    probability ``acceptance_rate`` until the first rejection (the papers' model, seeded by
+    ``seed``); a proposer that is not free costs ``draft_cost`` plain decode steps of the
+    drafting requests per step (0 for n-gram lookup, about ``k / r`` for a draft model ``r``
+    times faster than the target). The verification step itself is charged by the cost
+    model on its real rows, ``k + 1`` tokens per drafting request, so a batch that turns
+    compute-bound pays for its drafts as it would on the GPU."""
+
+    num_speculative_tokens: int
+    acceptance_rate: float
+    draft_cost: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        expected_tokens_per_step(self.acceptance_rate, self.num_speculative_tokens)  # checks
+        in_range("draft_cost", self.draft_cost, 0)
+
+
+class PlannedSpeculator:
+    """Drafts for requests whose output is planned, and the tokens their verification emits:
+    the drafts are the planned tokens, and a draw decides how many of them the model keeps
+    (:func:`labkit.simulate.simulate` with ``speculation``)."""
+
+    def __init__(self, speculation: SimulatedSpeculation) -> None:
+        self.speculation = speculation
+        self.rng = np.random.default_rng(speculation.seed)
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Give every decoding request its drafts: its next planned tokens, as many as
+        ``num_speculative_tokens`` and as it may still emit less the token after them."""
+        for request in requests:
+            if (request.output_plan is None
+                    or request.num_tokens - request.num_computed_tokens != 1):
+                continue
+            start = request.num_output_tokens
+            room = len(request.output_plan) - start - 1
+            k = min(self.speculation.num_speculative_tokens, room)
+            request.spec_token_ids = list(request.output_plan[start:start + k]) if k > 0 else []
+
+    def verify(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The tokens each request that verified drafts in ``out`` emits: the accepted drafts
+        and the planned token after them. Call it before the scheduler's ``update``."""
+        emitted = {}
+        for request in out.requests:
+            drafts = out.spec_token_ids.get(request.request_id)
+            if not drafts:
+                continue
+            accepted = 0
+            while (accepted < len(drafts)
+                   and self.rng.random() < self.speculation.acceptance_rate):
+                accepted += 1
+            start = request.num_output_tokens
+            emitted[request.request_id] = list(request.output_plan[start:start + accepted + 1])
+        return emitted
+
+    def draft_time(self, out: SchedulerOutput, step_cost: Callable[[list], float]) -> float:
+        """Seconds the proposer adds to the step ``out``: ``draft_cost`` plain decode steps
+        of the requests that draft."""
+        if not self.speculation.draft_cost or not out.spec_token_ids:
+            return 0.0
+        rows = [(1, request.num_computed_tokens) for request in out.requests
+                if out.spec_token_ids.get(request.request_id)]
+        return self.speculation.draft_cost * step_cost(rows) if rows else 0.0
